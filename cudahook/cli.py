@@ -1,0 +1,170 @@
+"""`cudahook`: the administrator's command line.
+
+Exit codes (also in the README): 0 done; 1 the operation failed and the
+workload was rolled back to running; 2 bad arguments or input; 3 invalid
+configuration; 4 the workload could not be brought back to a safe state;
+5 a required tool or driver feature is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, NoReturn
+
+from .errors import CudahookError, Exit, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="cudahook", description="Checkpoint and restore CUDA processes and "
+                "GPU containers around NVIDIA cuda-checkpoint.")
+    p.add_argument("--config", help="configuration file (default /etc/cudahook/config.yaml)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    def targets(sp: argparse.ArgumentParser) -> None:
+        g = sp.add_mutually_exclusive_group(required=True)
+        g.add_argument("--pid", type=int, action="append", help="a CUDA process (repeatable)")
+        g.add_argument("--init-pid", type=int,
+                       help="a container's init PID: act on all its CUDA processes")
+
+    d = sub.add_parser("discover", help="list a container's CUDA processes")
+    d.add_argument("--init-pid", type=int, required=True)
+    d.add_argument("--checkpointed", action="store_true",
+                   help="also find processes that hold no device node (already checkpointed)")
+    c = sub.add_parser("checkpoint", help="lock and checkpoint CUDA processes")
+    targets(c)
+    c.add_argument("--sequential", action="store_true", default=None)
+    c.add_argument("--lock-timeout-ms", type=int)
+    r = sub.add_parser("restore", help="restore and unlock CUDA processes")
+    targets(r)
+    r.add_argument("--device-map", help="old=new GPU UUID pairs, comma separated")
+    r.add_argument("--source-gpus", help="GPU UUIDs at checkpoint time (comma separated); "
+                   "with --target-gpus, the device map is computed")
+    r.add_argument("--target-gpus", help="GPU UUIDs to restore onto (comma separated)")
+    r.add_argument("--sequential", action="store_true", default=None)
+    s = sub.add_parser("state", help="the checkpoint state of processes")
+    s.add_argument("--pid", type=int, action="append", required=True)
+    sub.add_parser("gpus", help="the GPUs nvidia-smi reports")
+    sub.add_parser("features", help="what the installed cuda-checkpoint supports")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return run(args)
+    except CudahookError as exc:
+        print(f"cudahook: {exc}", file=sys.stderr)
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        print("cudahook: interrupted", file=sys.stderr)
+        return 130
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=1) if args.json else text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import config
+    from .backends import make_backend
+    from .host import Host
+
+    settings = config.load(args.config)
+    if getattr(args, "sequential", None):
+        settings = settings.with_overrides(sequential=True)
+    if getattr(args, "lock_timeout_ms", None) is not None:
+        settings = settings.with_overrides(lock_timeout_ms=args.lock_timeout_ms)
+    host = Host()
+
+    if args.cmd == "gpus":
+        from .gpus import query_gpus
+
+        gpus = query_gpus(host, settings)
+        _emit(args, [g.__dict__ for g in gpus],
+              "\n".join(f"{g.index}  {g.uuid}  {g.name}  {g.memory_mib} MiB  driver "
+                        f"{g.driver_version}" for g in gpus))
+        return Exit.OK
+
+    backend = make_backend(settings, host)
+    if args.cmd == "features":
+        f = backend.features
+        _emit(args, f.__dict__, f.describe())
+        return Exit.OK
+
+    from .discovery import discover
+    from .engine import Engine
+
+    if args.cmd == "state":
+        engine = Engine(backend, settings, host)
+        states = {}
+        for pid in args.pid:
+            states[pid] = engine.read_state(pid)
+        _emit(args, {str(k): v for k, v in states.items()},
+              "\n".join(f"{pid}  {state}" for pid, state in states.items()))
+        return Exit.OK
+
+    def resolve(require_fd: bool) -> list[int]:
+        if args.pid:
+            return list(args.pid)
+        if not host.exists(args.init_pid):
+            raise UsageError(f"no process {args.init_pid}")
+        found = discover(host, backend, args.init_pid, settings.device_regex,
+                         require_device_fd=require_fd, max_parallel=settings.max_parallel)
+        for w in found.warnings:
+            print(f"cudahook: warning: {w}", file=sys.stderr)
+        return found.pids
+
+    if args.cmd == "discover":
+        if not host.exists(args.init_pid):
+            raise UsageError(f"no process {args.init_pid}")
+        found = discover(host, backend, args.init_pid, settings.device_regex,
+                         require_device_fd=not args.checkpointed,
+                         max_parallel=settings.max_parallel)
+        data = {
+            "init_pid": found.init_pid, "scope": found.scope, "scanned": found.scanned,
+            "processes": [p.__dict__ for p in found.processes],
+            "skipped": {str(k): v for k, v in found.skipped.items()},
+            "warnings": found.warnings,
+        }
+        lines = [f"{p.pid}  nspid {p.nspid}  {p.state or ''}" for p in found.processes]
+        lines += [f"{pid}  skipped: {why}" for pid, why in found.skipped.items()]
+        _emit(args, data, "\n".join(lines) or "no CUDA processes")
+        return Exit.OK
+
+    engine = Engine(backend, settings, host)
+    if args.cmd == "checkpoint":
+        result = engine.checkpoint(resolve(True))
+    else:
+        device_map = _device_map(args)
+        result = engine.restore(resolve(False), device_map)
+    _emit(args, result.to_dict(), _summary(result))
+    return Exit.OK
+
+
+def _device_map(args: argparse.Namespace) -> dict[str, str] | None:
+    from .devicemap import compute_device_map, parse_device_map
+
+    if args.device_map and (args.source_gpus or args.target_gpus):
+        raise UsageError("give either --device-map or --source-gpus/--target-gpus")
+    if args.device_map:
+        return parse_device_map(args.device_map)
+    if args.source_gpus or args.target_gpus:
+        if not (args.source_gpus and args.target_gpus):
+            raise UsageError("--source-gpus and --target-gpus go together")
+        split = lambda s: [u.strip() for u in s.split(",") if u.strip()]  # noqa: E731
+        return compute_device_map(split(args.source_gpus), split(args.target_gpus))
+    return None
+
+
+def _summary(result: Any) -> str:
+    moved = ", ".join(map(str, result.changed)) or "none"
+    return (f"{result.phase}: {len(result.pids)} process(es), changed: {moved}, "
+            f"{result.timeline.total():.3f}s")

@@ -1,0 +1,178 @@
+"""Find a container's CUDA processes from its init PID.
+
+Scope first, then filter: the container's PIDs come from its cgroup (or, for
+a process in our own PID namespace, its descendants), candidates are the ones
+holding an NVIDIA device node open, and only the driver can say which of
+those are CUDA processes - an NVML-only process holds the same device nodes
+but makes every cuda-checkpoint call fail.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .backends import CHECKPOINTED, RUNNING, Backend
+from .errors import ToolError
+from .host import Host, ProcessGone
+
+# The CUDA driver's restore thread; R550-R554 have no query for it (gVisor's rule).
+CUDA_THREAD = re.compile(r"^cuda[0-9a-f]{11}$")
+
+
+@dataclass(frozen=True)
+class CudaProcess:
+    pid: int  # host PID
+    nspid: int  # PID inside the container's PID namespace
+    state: str | None = None  # as read during discovery, when the probe gave it
+
+
+@dataclass
+class Discovery:
+    init_pid: int
+    scope: str  # "cgroup", "pidns-scan" or "tree-scan": how the container was scoped
+    scanned: int  # processes looked at
+    candidates: list[int] = field(default_factory=list)
+    processes: list[CudaProcess] = field(default_factory=list)
+    skipped: dict[int, str] = field(default_factory=dict)  # candidate -> why not CUDA
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+
+def container_pids(host: Host, init_pid: int) -> tuple[list[int], str]:
+    """All host PIDs of the container whose init is `init_pid`."""
+    init_ns = host.pidns(init_pid)
+    if init_ns != host.own_pidns():
+        members = host.cgroup_members(init_pid)
+        if members is not None:
+            return [p for p in members if _same_ns(host, p, init_ns)], "cgroup"
+        pids = [p for p in host.all_pids() if _same_ns(host, p, init_ns)]
+        return pids, "pidns-scan"
+    return _descendants(host, init_pid), "tree-scan"
+
+
+def _same_ns(host: Host, pid: int, ns: str) -> bool:
+    try:
+        return host.pidns(pid) == ns
+    except ProcessGone:
+        return False
+
+
+def _descendants(host: Host, root: int) -> list[int]:
+    """The process tree under `root`, for processes that share our PID namespace.
+
+    This kernel interface (/proc/PID/task/TID/children) is optional, so walk
+    parent links instead; this path is only taken for non-containerised
+    processes, where no cgroup bounds the search.
+    """
+    children: dict[int, list[int]] = {}
+    for pid in host.all_pids():
+        try:
+            children.setdefault(host.ppid(pid), []).append(pid)
+        except (ProcessGone, ValueError, IndexError):
+            continue
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return sorted(found)
+
+
+def has_device_fd(host: Host, pid: int, pattern: re.Pattern[str]) -> bool:
+    return any(pattern.search(t) for t in host.fd_targets(pid))
+
+
+def has_cuda_thread(host: Host, pid: int) -> bool:
+    return any(CUDA_THREAD.match(name) for _tid, name in host.thread_names(pid))
+
+
+def discover(
+    host: Host,
+    backend: Backend,
+    init_pid: int,
+    device_pattern: re.Pattern[str],
+    *,
+    require_device_fd: bool = True,
+    max_parallel: int = 64,
+) -> Discovery:
+    """CUDA processes of the container.
+
+    At checkpoint time a CUDA process holds device nodes open, which makes the
+    cheap /proc filter exact enough to keep driver probes few. A checkpointed
+    process holds none, so restore-time discovery (`require_device_fd=False`)
+    probes every process of the container instead.
+    """
+    pids, scope = container_pids(host, init_pid)
+    result = Discovery(init_pid=init_pid, scope=scope, scanned=len(pids))
+    for pid in pids:
+        try:
+            if not require_device_fd or has_device_fd(host, pid, device_pattern):
+                result.candidates.append(pid)
+        except ProcessGone:
+            continue
+    if not result.candidates:
+        return result
+
+    feats = backend.features
+    if feats.get_state and not feats.launch_job:
+        # One call answers both "is it CUDA" and "what state is it in".
+        probe = _probe_with(backend.get_state)
+    elif feats.restore_tid:
+        # --get-state also answers for --launch-job coordinators (R590+); the
+        # restore thread only exists in a real CUDA process.
+        probe = _probe_with(lambda pid: (backend.get_restore_tid(pid), None)[1])
+    else:
+        if (feats.major and feats.major < 550) or not feats.toggle:
+            result.warnings.append(
+                f"cuda-checkpoint {feats.version or '(unknown)'} predates R550: "
+                "checkpoint support is unlikely to work"
+            )
+        probe = _thread_probe(host, device_pattern)
+
+    workers = max(1, min(max_parallel, len(result.candidates)))
+    with ThreadPoolExecutor(workers) as pool:
+        outcomes = list(pool.map(probe, result.candidates))
+    for pid, (is_cuda, state, why) in zip(result.candidates, outcomes, strict=True):
+        if not is_cuda:
+            result.skipped[pid] = why
+            continue
+        try:
+            nspid = host.nspid(pid)
+        except ProcessGone:
+            result.skipped[pid] = "exited during discovery"
+            continue
+        result.processes.append(CudaProcess(pid, nspid, state))
+    return result
+
+
+def _probe_with(call):  # type: ignore[no-untyped-def]
+    def probe(pid: int) -> tuple[bool, str | None, str]:
+        try:
+            return True, call(pid), ""
+        except ToolError as exc:
+            return False, None, exc.stderr or f"exit {exc.returncode}"
+
+    return probe
+
+
+def _thread_probe(host: Host, pattern: re.Pattern[str]):  # type: ignore[no-untyped-def]
+    """R550-R554: the restore thread's name is the only sign of a CUDA process.
+
+    Without --get-state, the device nodes tell the state: a checkpointed
+    process has released all of them.
+    """
+
+    def probe(pid: int) -> tuple[bool, str | None, str]:
+        try:
+            if not has_cuda_thread(host, pid):
+                return False, None, "no CUDA restore thread"
+            return True, RUNNING if has_device_fd(host, pid, pattern) else CHECKPOINTED, ""
+        except ProcessGone:
+            return False, None, "exited during discovery"
+
+    return probe

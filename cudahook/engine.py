@@ -1,0 +1,312 @@
+"""The CUDA toggle engine: move a set of processes between running and checkpointed.
+
+Checkpoint locks every process before it checkpoints any: a lock waits for
+in-flight GPU work, and with NCCL one rank locked while another still runs can
+hang them both (cuda-checkpoint #30), so locks run all at once with a timeout.
+Any failure rolls every touched process back to `running` and says so; a
+checkpoint that fails must leave the workload working on its GPU.
+
+Restore never rolls back: a process that failed to restore cannot run, and
+unlocking its siblings would release a half-restored workload. The engine
+holds them all locked and reports exactly which process failed at which step,
+so the caller can fail closed (kill it) and retry from the intact image.
+
+Every phase reads the states first and only moves processes that are not
+already where the phase wants them: CRIU 3.19-4.1.1 run each action script
+twice, and a toggle that runs twice undoes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backends import CHECKPOINTED, LOCKED, RUNNING, Backend
+from .config import Settings
+from .discovery import CudaProcess, has_device_fd
+from .errors import EnvironmentProblem, PhaseError, ToolError
+from .host import Host, ProcessGone
+from .timeline import Timeline
+
+
+@dataclass
+class PhaseResult:
+    phase: str
+    pids: list[int]
+    timeline: Timeline
+    initial: dict[int, str] = field(default_factory=dict)
+    final: dict[int, str] = field(default_factory=dict)
+    changed: list[int] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)
+    device_map: dict[str, str] | None = None
+    rolled_back: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "ok": self.ok,
+            "pids": self.pids,
+            "initial": {str(k): v for k, v in self.initial.items()},
+            "final": {str(k): v for k, v in self.final.items()},
+            "changed": self.changed,
+            "errors": {str(k): v for k, v in self.errors.items()},
+            "device_map": self.device_map,
+            "rolled_back": self.rolled_back,
+            "timeline": self.timeline.to_dict(),
+        }
+
+
+def _pid(p: CudaProcess | int) -> int:
+    return p.pid if isinstance(p, CudaProcess) else int(p)
+
+
+class Engine:
+    def __init__(self, backend: Backend, settings: Settings, host: Host | None = None):
+        self.backend = backend
+        self.settings = settings
+        self.host = host or Host()
+
+    # -- helpers -----------------------------------------------------------
+
+    def _each(
+        self, pids: list[int], fn: Callable[[int], None], *, parallel: bool | None = None
+    ) -> dict[int, BaseException]:
+        """Run fn for every PID; the failures, by PID."""
+        if parallel is None:
+            parallel = not self.settings.sequential
+        failures: dict[int, BaseException] = {}
+
+        def one(pid: int) -> None:
+            try:
+                fn(pid)
+            except (ToolError, ProcessGone, EnvironmentProblem) as exc:
+                failures[pid] = exc
+
+        if parallel and len(pids) > 1:
+            with ThreadPoolExecutor(min(len(pids), self.settings.max_parallel)) as pool:
+                list(pool.map(one, pids))
+        else:
+            for pid in pids:
+                one(pid)
+        return failures
+
+    def read_state(self, pid: int) -> str:
+        if self.backend.features.get_state:
+            return self.backend.get_state(pid)
+        # Toggle-only drivers cannot be asked; a checkpointed process has
+        # released every device node, a running one holds them.
+        if not self.host.exists(pid):
+            raise ProcessGone(pid)
+        return RUNNING if has_device_fd(self.host, pid, self.settings.device_regex) else CHECKPOINTED
+
+    def read_states(
+        self, pids: list[int], tl: Timeline, step: str = "get-state"
+    ) -> tuple[dict[int, str], dict[int, str]]:
+        states: dict[int, str] = {}
+
+        def one(pid: int) -> None:
+            with tl.step(pid, step):
+                states[pid] = self.read_state(pid)
+
+        failures = self._each(pids, one, parallel=True)
+        return states, {pid: _describe(pid, exc, self.host) for pid, exc in failures.items()}
+
+    def _toggle_only(self) -> bool:
+        return not self.backend.features.actions
+
+    # -- checkpoint ----------------------------------------------------------
+
+    def checkpoint(self, procs: Iterable[CudaProcess | int]) -> PhaseResult:
+        pids = sorted({_pid(p) for p in procs})
+        tl = Timeline()
+        res = PhaseResult("checkpoint", pids, tl)
+        if not pids:
+            return res
+        res.initial, errors = self.read_states(pids, tl)
+        if errors:
+            res.errors = errors
+            raise PhaseError("checkpoint", _lines(errors), safe=True, result=res)
+
+        if self._toggle_only():
+            todo = [p for p in pids if res.initial[p] == RUNNING]
+            failures = self._each(todo, lambda p: self._step(tl, p, "toggle", self.backend.toggle))
+            res.changed = [p for p in todo if p not in failures]
+            if failures:
+                return self._abort(res, failures, touched=todo)
+        else:
+            to_lock = [p for p in pids if res.initial[p] == RUNNING]
+            timeout = self.settings.lock_timeout_ms
+            failures = self._each(
+                to_lock,
+                lambda p: self._step(tl, p, "lock", lambda q: self.backend.lock(q, timeout)),
+                parallel=True,
+            )
+            if failures:
+                return self._abort(res, failures, touched=to_lock)
+            to_ckpt = [p for p in pids if res.initial[p] in (RUNNING, LOCKED)]
+            failures = self._each(
+                to_ckpt, lambda p: self._step(tl, p, "checkpoint", self.backend.checkpoint)
+            )
+            res.changed = sorted(set(to_lock) | set(to_ckpt))
+            if failures:
+                return self._abort(res, failures, touched=res.changed)
+        res.final = {p: CHECKPOINTED for p in pids}
+        return res
+
+    def _step(self, tl: Timeline, pid: int, name: str, call: Callable[[int], None]) -> None:
+        with tl.step(pid, name):
+            call(pid)
+
+    def _abort(
+        self, res: PhaseResult, failures: dict[int, BaseException], touched: list[int]
+    ) -> PhaseResult:
+        res.errors = {p: _describe(p, e, self.host) for p, e in failures.items()}
+        safe, rb_errors, final = self.rollback(touched, res.timeline)
+        res.rolled_back = True
+        res.final = final
+        for pid, msg in rb_errors.items():
+            res.errors[pid] = f"{res.errors[pid]}; {msg}" if pid in res.errors else msg
+        raise PhaseError(res.phase, _lines(res.errors), safe=safe, result=res)
+
+    def rollback(
+        self, pids: list[int], tl: Timeline
+    ) -> tuple[bool, dict[int, str], dict[int, str]]:
+        """Bring every process back to running; (all alive verified running, errors, states).
+
+        States are read again rather than remembered: a call killed at its
+        deadline may still have changed the process.
+        """
+        final: dict[int, str] = {}
+        errors: dict[int, str] = {}
+        gone: set[int] = set()
+
+        def back(pid: int) -> None:
+            state = self.read_state(pid)
+            if state == CHECKPOINTED:
+                if self._toggle_only():
+                    self._step(tl, pid, "rollback-toggle", self.backend.toggle)
+                    state = RUNNING
+                else:
+                    self._step(tl, pid, "rollback-restore", self.backend.restore)
+                    state = LOCKED
+            if state == LOCKED:
+                self._step(tl, pid, "rollback-unlock", self.backend.unlock)
+            with tl.step(pid, "verify"):
+                final[pid] = self.read_state(pid)
+            if final[pid] != RUNNING:
+                raise ToolError(pid, "verify", 0, f"still {final[pid]} after rollback")
+
+        failures = self._each(pids, back, parallel=True)
+        for pid, exc in failures.items():
+            if isinstance(exc, ProcessGone) or not self.host.exists(pid):
+                gone.add(pid)
+                errors[pid] = "process exited"
+            else:
+                errors[pid] = f"rollback failed: {_describe(pid, exc, self.host)}"
+        safe = all(p in gone for p in failures)
+        return safe, errors, final
+
+    # -- restore -------------------------------------------------------------
+
+    def restore(
+        self,
+        procs: Iterable[CudaProcess | int],
+        device_map: dict[str, str] | None = None,
+        *,
+        unlock: bool = True,
+    ) -> PhaseResult:
+        pids = sorted({_pid(p) for p in procs})
+        tl = Timeline()
+        res = PhaseResult("restore", pids, tl, device_map=device_map or None)
+        if not pids:
+            return res
+        feats = self.backend.features
+        if device_map and not feats.device_map:
+            raise EnvironmentProblem(
+                f"the restore needs a GPU remap but cuda-checkpoint {feats.version or ''} "
+                "has no --device-map (driver R580 or newer)"
+            )
+        res.initial, errors = self.read_states(pids, tl)
+        if errors:
+            res.errors = errors
+            raise PhaseError("restore", _lines(errors), safe=False, result=res)
+        todo = [p for p in pids if res.initial[p] == CHECKPOINTED]
+        res.changed = list(todo)
+
+        if self._toggle_only():
+            failures = self._each(todo, lambda p: self._step(tl, p, "toggle", self.backend.toggle))
+            self._fail_if(res, failures, "toggle")
+        else:
+            failures = self._each(
+                todo,
+                lambda p: self._step(
+                    tl, p, "restore", lambda q: self.backend.restore(q, device_map or None)
+                ),
+            )
+            self._fail_if(res, failures, "restore")
+            if not unlock:
+                res.final = {p: LOCKED for p in pids if res.initial[p] != RUNNING}
+                return res
+            to_unlock = [p for p in pids if res.initial[p] in (CHECKPOINTED, LOCKED)]
+            failures = self._each(
+                to_unlock, lambda p: self._step(tl, p, "unlock", self.backend.unlock)
+            )
+            res.changed = sorted(set(res.changed) | set(to_unlock))
+            self._fail_if(res, failures, "unlock")
+        self._verify_running(res)
+        return res
+
+    def unlock(self, procs: Iterable[CudaProcess | int]) -> PhaseResult:
+        """Second half of a restore run with unlock=False."""
+        pids = sorted({_pid(p) for p in procs})
+        res = PhaseResult("unlock", pids, Timeline())
+        res.initial, errors = self.read_states(pids, res.timeline)
+        if errors:
+            res.errors = errors
+            raise PhaseError("unlock", _lines(errors), safe=False, result=res)
+        todo = [p for p in pids if res.initial[p] == LOCKED]
+        failures = self._each(
+            todo, lambda p: self._step(res.timeline, p, "unlock", self.backend.unlock)
+        )
+        res.changed = todo
+        self._fail_if(res, failures, "unlock")
+        self._verify_running(res)
+        return res
+
+    def _verify_running(self, res: PhaseResult) -> None:
+        # A restore with a device map that skipped unlock leaves the workload
+        # alive but blocked forever (beam-cloud/beta9 #1918): trust only a read.
+        res.final, errors = self.read_states(res.pids, res.timeline, step="verify")
+        for pid, state in res.final.items():
+            if state != RUNNING:
+                errors[pid] = f"pid {pid}: ended {state}, not running"
+        if errors:
+            res.errors.update(errors)
+            raise PhaseError(res.phase, _lines(res.errors), safe=False, result=res)
+
+    def _fail_if(self, res: PhaseResult, failures: dict[int, BaseException], step: str) -> None:
+        if not failures:
+            return
+        res.errors = {p: _describe(p, e, self.host) for p, e in failures.items()}
+        held = [p for p in res.pids if p not in failures]
+        res.final = {}
+        note = f"no process was released; {len(held)} other(s) held" if held else ""
+        raise PhaseError(res.phase, [*_lines(res.errors), note] if note else _lines(res.errors),
+                         safe=False, result=res)
+
+
+def _describe(pid: int, exc: BaseException, host: Host) -> str:
+    if isinstance(exc, ProcessGone) or (isinstance(exc, ToolError) and not host.exists(pid)):
+        return f"pid {pid}: process exited"
+    text = str(exc)
+    return text if text.startswith(f"pid {pid}") else f"pid {pid}: {text}"
+
+
+def _lines(errors: dict[int, str]) -> list[str]:
+    return [errors[p] for p in sorted(errors)]

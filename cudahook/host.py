@@ -1,0 +1,206 @@
+"""The one seam between cudahook and everything outside its own process.
+
+External tools (cuda-checkpoint, nvidia-smi, the VMM coordinator) are run
+through `Host.run`, and `/proc` and the cgroup tree are read through the
+`Host` methods below. Tests and the simulator change the tool paths in the
+configuration; nothing in the engine reaches the system any other way, so a
+second backend (the driver API) or another proc root slots in here alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunResult:
+    argv: tuple[str, ...]
+    returncode: int | None  # None when the deadline killed it
+    stdout: str
+    stderr: str
+    duration: float
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+
+class ProcessGone(Exception):
+    """The process vanished while we were reading it."""
+
+
+@dataclass
+class Host:
+    proc: Path = Path("/proc")
+    cgroup_root: Path = Path("/sys/fs/cgroup")
+    env: dict[str, str] | None = None
+    _own_pidns: str | None = field(default=None, repr=False)
+
+    # -- external tools --------------------------------------------------
+
+    def run(self, argv: Sequence[str], timeout: float) -> RunResult:
+        """Run a tool with a hard deadline.
+
+        The tool gets its own process group, and on expiry the whole group is
+        killed: cuda-checkpoint may leave helpers behind, and a hung helper
+        holding the driver would wedge every later call.
+        """
+        start = time.monotonic()
+        try:
+            child = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env=self.env,
+                text=True,
+                errors="replace",
+            )
+        except OSError as exc:
+            return RunResult(tuple(argv), 127, "", f"{argv[0]}: {exc.strerror}", 0.0)
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            out, err = child.communicate()
+            return RunResult(
+                tuple(argv), None, out, err, time.monotonic() - start, timed_out=True
+            )
+        return RunResult(tuple(argv), child.returncode, out, err, time.monotonic() - start)
+
+    # -- /proc -------------------------------------------------------------
+
+    def _p(self, pid: int, *parts: str) -> Path:
+        return self.proc.joinpath(str(pid), *parts)
+
+    def exists(self, pid: int) -> bool:
+        return self._p(pid).is_dir()
+
+    def read(self, pid: int, name: str) -> str:
+        try:
+            return self._p(pid, name).read_text(errors="replace")
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(pid) from exc
+
+    def status(self, pid: int) -> dict[str, str]:
+        fields: dict[str, str] = {}
+        for line in self.read(pid, "status").splitlines():
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+        return fields
+
+    def nspid(self, pid: int) -> int:
+        """The PID as the process's own (innermost) PID namespace sees it."""
+        chain = self.status(pid).get("NSpid", "").split()
+        return int(chain[-1]) if chain else pid
+
+    def ppid(self, pid: int) -> int:
+        stat = self.read(pid, "stat")
+        # comm may hold spaces and parentheses: split after the last ')'
+        return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+    def state(self, pid: int) -> str:
+        stat = self.read(pid, "stat")
+        return stat[stat.rindex(")") + 2]
+
+    def pidns(self, pid: int) -> str:
+        try:
+            return os.readlink(self._p(pid, "ns", "pid"))
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(pid) from exc
+
+    def own_pidns(self) -> str:
+        if self._own_pidns is None:
+            self._own_pidns = os.readlink(self.proc / "self" / "ns" / "pid")
+        return self._own_pidns
+
+    def fd_targets(self, pid: int) -> Iterator[str]:
+        fd_dir = self._p(pid, "fd")
+        try:
+            names = os.listdir(fd_dir)
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(pid) from exc
+        for name in names:
+            try:
+                yield os.readlink(fd_dir / name)
+            except OSError:
+                continue  # closed between listdir and readlink
+
+    def thread_names(self, pid: int) -> Iterator[tuple[int, str]]:
+        task_dir = self._p(pid, "task")
+        try:
+            tids = os.listdir(task_dir)
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(pid) from exc
+        for tid in tids:
+            try:
+                yield int(tid), (task_dir / tid / "comm").read_text().rstrip("\n")
+            except OSError:
+                continue
+
+    def all_pids(self) -> Iterator[int]:
+        for name in os.listdir(self.proc):
+            if name.isdigit():
+                yield int(name)
+
+    def cgroup_paths(self, pid: int) -> list[tuple[str, str]]:
+        """(controllers, path) pairs from /proc/<pid>/cgroup, v2 entry first."""
+        entries = []
+        for line in self.read(pid, "cgroup").splitlines():
+            _, controllers, path = line.split(":", 2)
+            entries.append((controllers, path))
+        entries.sort(key=lambda e: e[0] != "")
+        return entries
+
+    def cgroup_members(self, pid: int) -> list[int] | None:
+        """Every PID in the process's cgroup subtree, or None if no usable cgroup.
+
+        This is what keeps discovery independent of host size: a container's
+        cgroup lists exactly its processes, while walking /proc costs one read
+        per process on the host.
+        """
+        for controllers, path in self.cgroup_paths(pid):
+            if path in ("", "/"):
+                continue
+            for base in self._cgroup_mounts(controllers):
+                top = base / path.lstrip("/")
+                pids = _read_cgroup_tree(top)
+                if pids is not None and pid in pids:
+                    return sorted(pids)
+        return None
+
+    def _cgroup_mounts(self, controllers: str) -> list[Path]:
+        root = self.cgroup_root
+        if controllers == "":
+            return [root, root / "unified"]
+        names = [c.removeprefix("name=") for c in controllers.split(",")]
+        return [root / n for n in names] + [root / controllers]
+
+
+def _read_cgroup_tree(top: Path) -> set[int] | None:
+    pids: set[int] = set()
+    try:
+        walker = os.walk(top)
+        first = True
+        for dirpath, _dirs, files in walker:
+            if first and "cgroup.procs" not in files:
+                return None
+            first = False
+            try:
+                text = Path(dirpath, "cgroup.procs").read_text()
+            except OSError:
+                continue
+            pids.update(int(x) for x in text.split())
+    except OSError:
+        return None
+    return pids if not first else None
