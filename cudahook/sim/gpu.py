@@ -1,0 +1,212 @@
+"""The simulated GPU: a daemon that owns device memory, per client connection.
+
+A CUDA process's live connection here plays the part of its open GPU
+context: CRIU refuses to dump a connected Unix socket whose peer is outside
+the container, exactly as it refuses a live /dev/nvidia* mapping, and when a
+client disconnects or dies its memory is freed, as the driver frees a dead
+process's allocations. Whatever was not copied out first is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .protocol import (
+    CUDA_ERRORS,
+    INVALID_DEVICE,
+    INVALID_VALUE,
+    OUT_OF_MEMORY,
+    CudaError,
+    bind_unix,
+    pattern,
+    recv,
+    send,
+)
+
+
+@dataclass
+class Device:
+    index: int
+    uuid: str
+    name: str
+    total: int  # bytes
+    used: int = 0
+    users: dict[int, int] = field(default_factory=dict)  # client pid -> bytes
+
+
+@dataclass
+class Client:
+    pid: int
+    device: Device | None = None
+    kind: str = "cuda"
+    buffers: dict[int, bytearray] = field(default_factory=dict)
+
+
+class GpuService:
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+        self.devices = [
+            Device(i, g["uuid"], g.get("name", "NVIDIA Simulated GPU"), g["memory_mib"] << 20)
+            for i, g in enumerate(config["gpus"])
+        ]
+        self.by_uuid = {d.uuid: d for d in self.devices}
+        self.lock = threading.Lock()
+        self.clients: dict[int, Client] = {}
+        self.next_handle = 1
+
+    # -- per-connection ----------------------------------------------------
+
+    def serve_connection(self, conn: socket.socket) -> None:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", creds)[0]
+        client = Client(pid)
+        key = id(client)
+        with self.lock:
+            self.clients[key] = client
+        stream = conn.makefile("rwb")
+        try:
+            while True:
+                try:
+                    msg, payload = recv(stream)
+                except (EOFError, OSError, ValueError):
+                    return
+                try:
+                    reply, data = self.handle(client, msg, payload)
+                    reply["ok"] = True
+                except CudaError as exc:
+                    reply, data = {"ok": False, "code": exc.code, "error": str(exc)}, b""
+                try:
+                    send(stream, reply, data)
+                except OSError:
+                    return
+        finally:
+            self._release(key)
+            stream.close()
+            conn.close()
+
+    def _release(self, key: int) -> None:
+        with self.lock:
+            client = self.clients.pop(key, None)
+            if client and client.device:
+                dev = client.device
+                freed = sum(len(b) for b in client.buffers.values())
+                dev.used -= freed
+                dev.users.pop(client.pid, None)
+                client.buffers.clear()
+
+    def _charge(self, client: Client, size: int) -> None:
+        dev = self._device(client)
+        if dev.used + size > dev.total:
+            raise CudaError(OUT_OF_MEMORY)
+        dev.used += size
+        dev.users[client.pid] = dev.users.get(client.pid, 0) + size
+
+    def _device(self, client: Client) -> Device:
+        if client.device is None:
+            raise CudaError(INVALID_VALUE, "no device selected")
+        return client.device
+
+    def _buffer(self, client: Client, msg: dict[str, Any]) -> bytearray:
+        try:
+            return client.buffers[int(msg["handle"])]
+        except (KeyError, ValueError) as exc:
+            raise CudaError(INVALID_VALUE) from exc
+
+    def handle(self, client: Client, msg: dict[str, Any], payload: bytes) -> tuple[dict, bytes]:
+        op = msg.get("op")
+        if op == "info":
+            return self.info(), b""
+        if op == "hello":
+            dev = self.by_uuid.get(msg.get("uuid", ""))
+            if dev is None:
+                raise CudaError(INVALID_DEVICE)
+            with self.lock:
+                client.device, client.kind = dev, msg.get("kind", "cuda")
+                dev.users.setdefault(client.pid, 0)
+            return {"index": dev.index, "uuid": dev.uuid,
+                    "bandwidth_mib_s": self.config.get("bandwidth_mib_s", 0)}, b""
+        if op in ("alloc", "upload"):
+            size = len(payload) if op == "upload" else int(msg["size"])
+            with self.lock:
+                self._charge(client, size)
+                handle = self.next_handle
+                self.next_handle += 1
+            if op == "upload":
+                buf = bytearray(payload)
+            elif "seed" in msg:
+                buf = bytearray(pattern(int(msg["seed"]), size))
+            else:
+                buf = bytearray(size)
+            client.buffers[handle] = buf
+            return {"handle": handle}, b""
+        if op == "download":
+            return {}, bytes(self._buffer(client, msg))
+        if op == "digest":
+            return {"sha256": hashlib.sha256(self._buffer(client, msg)).hexdigest()}, b""
+        if op == "incr":
+            # A "kernel": add one to the 64-bit counter at the buffer's start.
+            buf = self._buffer(client, msg)
+            duration = float(msg.get("duration", 0))
+            if duration:
+                time.sleep(duration)
+            value = int.from_bytes(buf[:8], "little") + 1
+            buf[:8] = value.to_bytes(8, "little")
+            return {"value": value}, b""
+        if op == "free":
+            buf = client.buffers.pop(int(msg["handle"]), None)
+            if buf is not None and client.device:
+                with self.lock:
+                    client.device.used -= len(buf)
+                    client.device.users[client.pid] -= len(buf)
+            return {}, b""
+        raise CudaError(INVALID_VALUE, f"unknown op {op!r}")
+
+    def info(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "driver_version": self.config["driver_version"],
+                "gpus": [
+                    {
+                        "index": d.index,
+                        "uuid": d.uuid,
+                        "name": d.name,
+                        "memory_total_mib": d.total >> 20,
+                        "memory_used_mib": d.used >> 20,
+                        "processes": [
+                            {"pid": pid, "used_bytes": used, "kind": kind}
+                            for pid, used, kind in self._users(d)
+                        ],
+                    }
+                    for d in self.devices
+                ],
+            }
+
+    def _users(self, dev: Device) -> list[tuple[int, int, str]]:
+        kinds = {c.pid: c.kind for c in self.clients.values() if c.device is dev}
+        return [(pid, used, kinds.get(pid, "cuda")) for pid, used in sorted(dev.users.items())
+                if pid in kinds]
+
+
+def serve(sim_dir: Path) -> None:
+    config = json.loads((sim_dir / "sim.json").read_text())
+    service = GpuService(config)
+    listener = bind_unix(str(sim_dir / "gpu.sock"))
+    os.chmod(sim_dir / "gpu.sock", 0o666)
+    (sim_dir / "gpu.pid").write_text(f"{os.getpid()}\n")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=service.serve_connection, args=(conn,), daemon=True).start()
+
+
+__all__ = ["CUDA_ERRORS", "GpuService", "serve"]

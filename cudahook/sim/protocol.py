@@ -1,0 +1,128 @@
+"""Framing for the simulator's Unix sockets: a JSON line, then an optional
+binary payload whose length the line announces."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from typing import Any, BinaryIO
+
+# CUDA driver error codes and the strings cuGetErrorString gives for them.
+CUDA_ERRORS = {
+    1: "invalid argument",
+    2: "out of memory",
+    3: "initialization error",
+    100: "no CUDA-capable device is detected",
+    101: "invalid device ordinal",
+    401: "the operation cannot be performed in the present state",
+    801: "operation not supported",
+    909: "the operation timed out",
+    999: "unknown error",
+}
+INVALID_VALUE, OUT_OF_MEMORY, NOT_INITIALIZED = 1, 2, 3
+NO_DEVICE, INVALID_DEVICE, ILLEGAL_STATE = 100, 101, 401
+NOT_SUPPORTED, TIMEOUT, UNKNOWN = 801, 909, 999
+
+
+class CudaError(Exception):
+    def __init__(self, code: int, text: str | None = None):
+        self.code = code
+        super().__init__(text or CUDA_ERRORS.get(code, "unknown error"))
+
+
+def send(out: BinaryIO, msg: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    if payload:
+        msg = {**msg, "len": len(payload)}
+    out.write(json.dumps(msg).encode() + b"\n")
+    if payload:
+        out.write(payload)
+    out.flush()
+
+
+def recv(inp: BinaryIO) -> tuple[dict[str, Any], bytes]:
+    line = inp.readline()
+    if not line:
+        raise EOFError("peer closed the connection")
+    msg = json.loads(line)
+    size = int(msg.get("len", 0))
+    payload = inp.read(size) if size else b""
+    if len(payload) != size:
+        raise EOFError("peer closed the connection mid-payload")
+    return msg, payload
+
+
+def connect_unix(path: str, timeout: float | None = None) -> socket.socket:
+    """Connect to a Unix socket at any path length.
+
+    sun_path holds 108 bytes; paths through /proc/PID/root or pytest's tmp
+    dirs are often longer, so go through an O_PATH fd of the directory.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    if len(path.encode()) < 100:
+        try:
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    parent, name = os.path.split(path)
+    dfd = os.open(parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        sock.connect(f"/proc/self/fd/{dfd}/{name}")
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.close(dfd)
+    return sock
+
+
+def bind_unix(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    if len(path.encode()) < 100:
+        sock.bind(path)
+    else:
+        parent, name = os.path.split(path)
+        dfd = os.open(parent, os.O_PATH | os.O_DIRECTORY)
+        try:
+            sock.bind(f"/proc/self/fd/{dfd}/{name}")
+        finally:
+            os.close(dfd)
+    sock.listen(64)
+    return sock
+
+
+class Channel:
+    """One request/response connection."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.file = sock.makefile("rwb")
+
+    def call(self, msg: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        send(self.file, msg, payload)
+        reply, data = recv(self.file)
+        if not reply.get("ok"):
+            raise CudaError(int(reply.get("code", UNKNOWN)), reply.get("error"))
+        return reply, data
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        finally:
+            self.sock.close()
+
+
+def pattern(seed: int, size: int) -> bytes:
+    """The known content of a workload's device buffer: cheap to make, and any
+    change to it (or a zeroed buffer after a lost GPU) changes its digest."""
+    import random
+
+    block = random.Random(seed).randbytes(4096)
+    whole, rest = divmod(size, 4096)
+    return block * whole + block[:rest]

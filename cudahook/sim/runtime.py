@@ -1,0 +1,286 @@
+"""The CUDA runtime inside a simulated workload.
+
+It behaves like the real driver's checkpoint support as seen from outside:
+- a restore thread named `cuda` + 11 hex digits serves checkpoint requests on
+  a control socket inside the process's own filesystem view; when the process
+  is frozen, stopped or traced that thread cannot run, and a request hangs;
+- lock blocks new GPU work and waits (up to a timeout) for work in flight;
+  a lock that times out leaves the process running;
+- checkpoint copies device memory into the process's own memory, then drops
+  the GPU connection and every device node, so CRIU can dump it;
+- restore re-acquires a GPU (possibly another one, by device map), copies the
+  memory back and leaves the process locked; unlock lets GPU work go on.
+A GPU connection that breaks while the process is not checkpointed means the
+device memory is gone: the runtime reports it lost, as a real process would
+see CUDA_ERROR_... on its next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from .protocol import (
+    ILLEGAL_STATE,
+    INVALID_VALUE,
+    TIMEOUT,
+    UNKNOWN,
+    Channel,
+    CudaError,
+    bind_unix,
+    connect_unix,
+    recv,
+    send,
+)
+
+RUNNING, LOCKED, CHECKPOINTED = "running", "locked", "checkpointed"
+PR_SET_NAME = 15
+
+
+class GpuLost(Exception):
+    """The GPU connection broke while device memory lived on it."""
+
+
+def ctl_path(ctl_dir: str, pid: int) -> str:
+    return os.path.join(ctl_dir, f"cuda-sim-{pid}.sock")
+
+
+def _name_thread(name: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_NAME, name.encode(), 0, 0, 0)
+
+
+class SimCuda:
+    def __init__(self, gpu_socket: str, gpu: str, dev_dir: str = "/dev",
+                 ctl_dir: str = "/dev/shm", tag: str = ""):
+        self.tag = tag
+        self.gpu_socket = gpu_socket
+        self.gpu_uuid = gpu
+        self.dev_dir = dev_dir
+        self.ctl_dir = ctl_dir
+        self.state = RUNNING
+        self.cond = threading.Condition()
+        self.inflight = 0
+        self.io = threading.Lock()  # one request at a time on the GPU connection
+        self.chan: Channel | None = None
+        self.fds: list[int] = []
+        self.index = -1
+        self.bandwidth = 0.0
+        self.buffers: dict[str, int] = {}  # name -> device handle
+        self.host_copy: dict[str, bytes] = {}  # name -> content while checkpointed
+        self.lost: str | None = None
+        self.restore_tid = 0
+        self._ready = threading.Event()
+
+    # -- setup ---------------------------------------------------------------
+
+    def init(self) -> None:
+        """cuInit + context creation: GPU connection, device nodes, restore thread."""
+        self._acquire(self.gpu_uuid)
+        thread = threading.Thread(target=self._serve, name="cuda-restore", daemon=True)
+        thread.start()
+        self._ready.wait()
+
+    def _acquire(self, uuid: str) -> None:
+        chan = Channel(connect_unix(self.gpu_socket))
+        try:
+            reply, _ = chan.call({"op": "hello", "uuid": uuid, "kind": "cuda"})
+        except BaseException:
+            chan.close()
+            raise
+        self.chan, self.gpu_uuid = chan, uuid
+        self.index = int(reply["index"])
+        self.bandwidth = float(reply.get("bandwidth_mib_s") or 0)
+        for node in ("nvidiactl", f"nvidia{self.index}", "nvidia-uvm"):
+            path = os.path.join(self.dev_dir, node)
+            if os.path.exists(path):
+                self.fds.append(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+
+    def _release(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        if self.chan:
+            self.chan.close()
+            self.chan = None
+
+    # -- GPU work (application threads) --------------------------------------
+
+    def _call(self, msg: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        if self.chan is None:
+            raise GpuLost(self.lost or "no GPU context")
+        try:
+            with self.io:
+                return self.chan.call(msg, payload)
+        except (EOFError, OSError) as exc:
+            self.lost = f"GPU connection lost: {exc}"
+            raise GpuLost(self.lost) from exc
+
+    @contextlib.contextmanager
+    def _work(self):  # type: ignore[no-untyped-def]
+        """Every CUDA call goes through here: blocked while locked or checkpointed."""
+        with self.cond:
+            while self.state != RUNNING:
+                self.cond.wait()
+            self.inflight += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.inflight -= 1
+                self.cond.notify_all()
+
+    def alloc(self, name: str, size: int, seed: int | None = None) -> None:
+        msg: dict[str, Any] = {"op": "alloc", "size": size}
+        if seed is not None:
+            msg["seed"] = seed
+        with self._work():
+            reply, _ = self._call(msg)
+        self.buffers[name] = int(reply["handle"])
+
+    def incr(self, name: str, duration: float = 0.0) -> int:
+        with self._work():
+            reply, _ = self._call({"op": "incr", "handle": self.buffers[name],
+                                   "duration": duration})
+        return int(reply["value"])
+
+    def digest(self, name: str) -> str:
+        with self._work():
+            reply, _ = self._call({"op": "digest", "handle": self.buffers[name]})
+        return str(reply["sha256"])
+
+    # -- the restore thread --------------------------------------------------
+
+    def _serve(self) -> None:
+        _name_thread("cuda" + secrets.token_hex(6)[:11])
+        self.restore_tid = threading.get_native_id()
+        listener = bind_unix(ctl_path(self.ctl_dir, os.getpid()))
+        self._ready.set()
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                time.sleep(0.01)
+                continue
+            with conn:
+                self._serve_one(conn)
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        stream = conn.makefile("rwb")
+        try:
+            msg, _ = recv(stream)
+            try:
+                reply = self.handle(msg)
+                reply["ok"] = True
+            except CudaError as exc:
+                reply = {"ok": False, "code": exc.code, "error": str(exc)}
+            send(stream, reply)
+        except (EOFError, OSError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+    def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "get-state":
+            return {"state": self.state}
+        if op == "get-restore-tid":
+            return {"tid": self.restore_tid}
+        if op == "lock":
+            self.lock(int(msg.get("timeout_ms", 0)))
+        elif op == "checkpoint":
+            self.checkpoint()
+        elif op == "restore":
+            self.restore(msg.get("device_map") or {})
+        elif op == "unlock":
+            self.unlock()
+        elif op == "status":
+            return {"state": self.state, "gpu": self.gpu_uuid, "lost": self.lost, "tag": self.tag}
+        else:
+            raise CudaError(INVALID_VALUE, f"unknown request {op!r}")
+        return {}
+
+    def lock(self, timeout_ms: int) -> None:
+        with self.cond:
+            if self.state != RUNNING:
+                raise CudaError(ILLEGAL_STATE)
+            self.state = LOCKED  # new work now blocks in _work()
+            deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms else None
+            while self.inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.state = RUNNING
+                    self.cond.notify_all()
+                    raise CudaError(TIMEOUT)
+                self.cond.wait(left)
+
+    def checkpoint(self) -> None:
+        with self.cond:
+            if self.state != LOCKED:
+                raise CudaError(ILLEGAL_STATE)
+        if self.chan is None:
+            raise CudaError(UNKNOWN, self.lost or "no GPU context")
+        copy: dict[str, bytes] = {}
+        try:
+            for name, handle in self.buffers.items():
+                _, data = self._call({"op": "download", "handle": handle})
+                copy[name] = data
+                self._transfer_cost(len(data))
+        except GpuLost as exc:
+            raise CudaError(UNKNOWN, str(exc)) from exc
+        self.host_copy = copy
+        self._release()  # the service frees our device memory with the connection
+        with self.cond:
+            self.state = CHECKPOINTED
+
+    def restore(self, device_map: dict[str, str]) -> None:
+        with self.cond:
+            if self.state != CHECKPOINTED:
+                raise CudaError(ILLEGAL_STATE)
+        target = self.gpu_uuid
+        if device_map:
+            if self.gpu_uuid not in device_map:
+                # The driver needs every checkpointed GPU in the map.
+                raise CudaError(INVALID_VALUE)
+            target = device_map[self.gpu_uuid]
+        old_uuid = self.gpu_uuid
+        try:
+            self._acquire(target)
+            handles = {}
+            for name, data in self.host_copy.items():
+                reply, _ = self._call({"op": "upload"}, data)
+                handles[name] = int(reply["handle"])
+                self._transfer_cost(len(data))
+        except (CudaError, GpuLost, OSError) as exc:
+            # A failed restore leaves the process checkpointed (cuda-checkpoint #44).
+            self._release()
+            self.gpu_uuid = old_uuid
+            if isinstance(exc, CudaError):
+                raise
+            raise CudaError(UNKNOWN, str(exc)) from exc
+        self.buffers, self.host_copy = handles, {}
+        with self.cond:
+            self.state = LOCKED
+
+    def unlock(self) -> None:
+        with self.cond:
+            if self.state != LOCKED:
+                raise CudaError(ILLEGAL_STATE)
+            self.state = RUNNING
+            self.cond.notify_all()
+
+    def _transfer_cost(self, size: int) -> None:
+        if self.bandwidth > 0:
+            time.sleep(size / (self.bandwidth * (1 << 20)))
+
+
+def status_json(**fields: Any) -> str:
+    return json.dumps(fields, sort_keys=True)

@@ -1,0 +1,162 @@
+"""A simulated CUDA program: computes on the GPU, checks its memory, reports.
+
+Each process holds N MiB of device memory with known content and a counter
+on the GPU that a "kernel" advances. It checks that the counter only ever
+moves by one and that the memory still has its known content, and writes
+what it sees to a status file, so a test can tell "restored intact" from
+"restored but its GPU memory is gone" from outside the container.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .protocol import CudaError, pattern
+from .runtime import GpuLost, SimCuda
+
+PR_SET_PDEATHSIG = 1
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cudahook-sim workload")
+    p.add_argument("--socket", default=os.environ.get("CUDA_SIM_SOCKET", "/run/cuda-sim/gpu.sock"))
+    p.add_argument("--gpu", default=os.environ.get("CUDA_SIM_GPU", ""),
+                   help="GPU UUID, or an index into the service's GPUs (default 0)")
+    p.add_argument("--mib", type=int, default=16, help="device memory to hold (MiB)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--tag", default=os.environ.get("CUDA_SIM_TAG", "workload"))
+    p.add_argument("--status-dir", default=os.environ.get("CUDA_SIM_STATUS_DIR", ""))
+    p.add_argument("--dev-dir", default=os.environ.get("CUDA_SIM_DEV_DIR", "/dev"))
+    p.add_argument("--ctl-dir", default=os.environ.get("CUDA_SIM_CTL_DIR", "/dev/shm"))
+    p.add_argument("--interval-ms", type=float, default=20.0)
+    p.add_argument("--kernel-ms", type=float, default=0.0, help="duration of each kernel")
+    p.add_argument("--check-every", type=int, default=10, help="memory check period (steps)")
+    p.add_argument("--procs", type=int, default=1, help="CUDA processes (forked workers)")
+    p.add_argument("--nvml-only", action="store_true",
+                   help="open the device nodes like an NVML monitor, never init CUDA")
+    return p.parse_args(argv)
+
+
+class Reporter:
+    def __init__(self, status_dir: str, tag: str):
+        self.path = Path(status_dir, f"{tag}.json") if status_dir else None
+        self.fields: dict[str, Any] = {"tag": tag, "pid": os.getpid(), "errors": []}
+
+    def write(self, **changes: Any) -> None:
+        self.fields.update(changes)
+        self.fields["time"] = time.time()
+        if self.path is None:
+            return
+        # open-write-close and rename: no fd on the host directory stays open
+        # across a checkpoint, which CRIU could not dump.
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.fields))
+        os.replace(tmp, self.path)
+
+    def error(self, text: str) -> None:
+        self.fields["errors"].append(text)
+        self.write()
+
+
+def resolve_gpu(cuda_socket: str, gpu: str) -> str:
+    if gpu.startswith("GPU-"):
+        return gpu
+    from .protocol import Channel, connect_unix
+
+    chan = Channel(connect_unix(cuda_socket))
+    try:
+        reply, _ = chan.call({"op": "info"})
+    finally:
+        chan.close()
+    return str(reply["gpus"][int(gpu or 0)]["uuid"])
+
+
+def run_nvml(args: argparse.Namespace, rep: Reporter) -> None:
+    fds = [os.open(os.path.join(args.dev_dir, n), os.O_RDWR)
+           for n in ("nvidiactl", "nvidia0") if os.path.exists(os.path.join(args.dev_dir, n))]
+    rep.write(mode="nvml", state="running", device_fds=len(fds), counter=0)
+    n = 0
+    while True:
+        time.sleep(args.interval_ms / 1000)
+        n += 1
+        rep.write(counter=n)
+
+
+def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
+    size = args.mib << 20
+    expected = hashlib.sha256(pattern(args.seed, size)).hexdigest()
+    cuda = SimCuda(args.socket, resolve_gpu(args.socket, args.gpu), args.dev_dir, args.ctl_dir,
+                   tag=args.tag)
+    cuda.init()
+    cuda.alloc("data", size, seed=args.seed)
+    cuda.alloc("counter", 8)
+    rep.write(mode="cuda", state="running", counter=0, checks=0, intact=True,
+              gpu=cuda.gpu_uuid, mib=args.mib, restore_tid=cuda.restore_tid)
+    last = 0
+    step = 0
+    while True:
+        try:
+            value = cuda.incr("counter", args.kernel_ms / 1000)
+            if value != last + 1:
+                rep.error(f"counter jumped from {last} to {value}")
+            last = value
+            step += 1
+            if step % args.check_every == 0:
+                if cuda.digest("data") != expected:
+                    rep.fields["intact"] = False
+                    rep.error("device memory content changed")
+                rep.fields["checks"] = rep.fields.get("checks", 0) + 1
+            rep.write(counter=value, gpu=cuda.gpu_uuid, state="running")
+        except (GpuLost, CudaError) as exc:
+            rep.fields["intact"] = False
+            rep.write(state="lost")
+            rep.error(f"GPU work failed: {exc}")
+            while True:  # a real program would crash or hang here; stay visible
+                time.sleep(3600)
+        time.sleep(args.interval_ms / 1000)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    children = []
+    for i in range(1, max(1, args.procs)):
+        pid = os.fork()
+        if pid == 0:
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            args.tag = f"{args.tag}.{i}"
+            args.seed += i
+            break
+        children.append(pid)
+    else:
+        if args.procs > 1:
+            args.tag = f"{args.tag}.0"
+    signal.signal(signal.SIGTERM, lambda *_: _exit(children))
+    rep = Reporter(args.status_dir, args.tag)
+    try:
+        if args.nvml_only:
+            run_nvml(args, rep)
+        else:
+            run_cuda(args, rep)
+    except (OSError, CudaError, GpuLost) as exc:
+        rep.write(state="failed")
+        rep.error(f"start failed: {exc}")
+        print(f"cudahook-sim workload: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _exit(children: list[int]) -> None:
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(0)
