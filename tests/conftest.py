@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cudahook.backends.cli import CudaCheckpointCLI
+from cudahook.engine import Engine
+from cudahook.host import Host
+from cudahook.sim.lab import SimLab
+
+DRIVERS = [550, 555, 570, 580]
+
+
+class Node:
+    """A simulated GPU node plus the workloads a test started on it."""
+
+    def __init__(self, root: Path, **kw: object):
+        self.lab = SimLab(root, **kw).start()  # type: ignore[arg-type]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, tag: str, **opts: object) -> subprocess.Popen[bytes]:
+        p = self.lab.spawn(tag, **opts)
+        self.procs.append(p)
+        return p
+
+    def spawn_tree(self, *workloads: tuple[str, dict[str, object]]) -> subprocess.Popen[bytes]:
+        """A shell "init" with the workloads as its children, as in a container."""
+        script = " ".join(shlex.join(self.lab.workload_argv(tag, **opts)) + " &"
+                          for tag, opts in workloads) + " wait"
+        p = subprocess.Popen(["bash", "-c", script], env=self.lab.workload_env(),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def settings(self, **over: object):  # type: ignore[no-untyped-def]
+        return self.lab.settings(**over)
+
+    def engine(self, **over: object) -> Engine:
+        settings = self.settings(**over)
+        host = Host()
+        return Engine(CudaCheckpointCLI(host, settings), settings, host)
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        self.lab.stop()
+
+
+@pytest.fixture
+def make_node(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+    nodes: list[Node] = []
+
+    def make(name: str = "node", **kw: object) -> Node:
+        node = Node(tmp_path / name, **kw)
+        nodes.append(node)
+        return node
+
+    yield make
+    for n in nodes:
+        n.close()
+
+
+@pytest.fixture
+def node(make_node) -> Node:  # type: ignore[no-untyped-def]
+    return make_node()
+
+
+def pids_of(node: Node, tag: str, procs: int) -> list[int]:
+    """Host PIDs of a multi-process workload's workers, from their reports."""
+    tags = [f"{tag}.{i}" for i in range(procs)] if procs > 1 else [tag]
+    return [node.lab.wait_counter(t)["pid"] for t in tags]
+
+
+requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+requires_unshare = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")

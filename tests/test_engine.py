@@ -1,0 +1,222 @@
+"""The engine against real processes on every emulated driver branch."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cudahook.discovery import discover
+from cudahook.errors import EnvironmentProblem, Exit, PhaseError
+
+from .conftest import DRIVERS
+
+WORKLOADS = (
+    ("solo", {"mib": 8}),
+    ("pair", {"mib": 4, "procs": 3}),  # multi-process: three CUDA contexts
+    ("small", {"mib": 1, "gpu": 1}),
+    ("nvml", {"nvml_only": True}),  # holds device nodes, never a CUDA process
+)
+CUDA_TAGS = ["solo", "pair.0", "pair.1", "pair.2", "small"]
+
+
+def start(node):  # type: ignore[no-untyped-def]
+    init = node.spawn_tree(*WORKLOADS)
+    reports = {t: node.lab.wait_counter(t, 2) for t in [*CUDA_TAGS, "nvml"]}
+    return init, {t: r["pid"] for t, r in reports.items()}
+
+
+def find(node, engine, init_pid, **kw):  # type: ignore[no-untyped-def]
+    return discover(engine.host, engine.backend, init_pid, engine.settings.device_regex, **kw)
+
+
+def counters(node) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {t: node.lab.status(t)["counter"] for t in CUDA_TAGS}
+
+
+def assert_all_running_and_intact(node, engine, pids, since: dict[str, int]) -> None:  # type: ignore[no-untyped-def]
+    for pid in pids:
+        assert engine.read_state(pid) == "running"
+    for tag, before in since.items():
+        st = node.lab.wait_counter(tag, before + 11)  # past one more memory check
+        assert st["intact"], st
+        assert st["errors"] == [], st
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_round_trip_every_driver(make_node, driver: int) -> None:
+    node = make_node(driver=driver)
+    engine = node.engine()
+    init, pids = start(node)
+    found = find(node, engine, init.pid)
+    cuda_pids = sorted(pids[t] for t in CUDA_TAGS)
+    assert found.pids == cuda_pids
+    assert pids["nvml"] in found.skipped and init.pid not in found.candidates
+    assert found.scope == "tree-scan"
+    assert {p.nspid for p in found.processes} == set(cuda_pids)  # host: same namespace
+
+    res = engine.checkpoint(found.processes)
+    assert res.ok and res.changed == cuda_pids
+    assert all(engine.read_state(p) == "checkpointed" for p in cuda_pids)
+    assert all(g["memory_used_mib"] == 0 for g in node.lab.info()["gpus"])
+    frozen = counters(node)
+    time.sleep(0.3)
+    assert counters(node) == frozen  # no GPU work while checkpointed
+    steps = {(s.pid, s.step) for s in res.timeline.steps}
+    if driver >= 555:
+        assert {(p, "lock") for p in cuda_pids} | {(p, "checkpoint") for p in cuda_pids} <= steps
+    else:
+        assert {(p, "toggle") for p in cuda_pids} <= steps
+
+    # Restore-time discovery: checkpointed processes hold no device node.
+    assert find(node, engine, init.pid).pids == []
+    again = find(node, engine, init.pid, require_device_fd=False)
+    assert again.pids == cuda_pids
+    res = engine.restore(again.processes)
+    assert res.ok and res.final == {p: "running" for p in cuda_pids}
+    assert_all_running_and_intact(node, engine, cuda_pids, frozen)
+    assert node.lab.status("nvml")["errors"] == []
+
+
+@pytest.mark.parametrize("driver", [550, 580])
+def test_phases_are_idempotent(make_node, driver: int) -> None:
+    node = make_node(driver=driver)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes
+    assert engine.checkpoint(procs).changed
+    second = engine.checkpoint(procs)  # CRIU runs every action script twice
+    assert second.ok and second.changed == []
+    assert all(engine.read_state(p.pid) == "checkpointed" for p in procs)
+    frozen = counters(node)
+    assert engine.restore(procs).changed
+    second = engine.restore(procs)
+    assert second.ok and second.changed == []
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)
+
+
+@pytest.mark.parametrize(("action", "mode"), [
+    ("lock", "error"), ("checkpoint", "error"), ("lock", "hang"), ("checkpoint", "hang"),
+])
+def test_failure_on_one_process_rolls_every_process_back(make_node, action: str, mode: str) -> None:
+    node = make_node(driver=580)
+    engine = node.engine(call_timeout_s=1.5)
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes
+    victim = pids["pair.1"]  # the k-th of N
+    node.lab.fault(action, mode=mode, pid=victim, code=2)
+    before = counters(node)
+    t = time.monotonic()
+    with pytest.raises(PhaseError) as err:
+        engine.checkpoint(procs)
+    assert time.monotonic() - t < 10
+    assert err.value.safe and err.value.exit_code == Exit.FAILED
+    res = err.value.result
+    assert res.rolled_back and list(res.errors) == [victim]
+    msg = res.errors[victim]
+    assert f"pid {victim}" in msg and action in msg
+    assert ("timed out" in msg) if mode == "hang" else ('"out of memory"' in msg)
+    assert res.final == {p.pid: "running" for p in procs if p.pid in res.final}
+    node.lab.clear_faults()
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], before)
+
+
+def test_target_dying_mid_phase_leaves_the_rest_running(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=570)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes
+    victim = pids["solo"]
+    node.lab.fault("checkpoint", mode="crash", pid=victim)
+    before = counters(node)
+    with pytest.raises(PhaseError) as err:
+        engine.checkpoint(procs)
+    assert err.value.result.errors[victim].endswith("process exited")
+    assert err.value.safe  # every survivor verified running
+    del before["solo"]
+    node.lab.clear_faults()
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs if p.pid != victim], before)
+
+
+def test_restore_failure_holds_everything_then_a_retry_succeeds(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes
+    engine.checkpoint(procs)
+    frozen = counters(node)
+    victim = pids["small"]
+    node.lab.fault("restore", pid=victim, code=2, times=1)
+    with pytest.raises(PhaseError) as err:
+        engine.restore(procs)
+    assert not err.value.safe and err.value.exit_code == Exit.UNSAFE
+    assert list(err.value.result.errors) == [victim]
+    assert "restore" in err.value.result.errors[victim]
+    states = {p.pid: engine.read_state(p.pid) for p in procs}
+    assert "running" not in states.values()  # nothing half-restored was released
+    assert states[victim] == "checkpointed"
+    time.sleep(0.2)
+    assert counters(node) == frozen
+    res = engine.restore(procs)  # the fault is used up: retry from where it stopped
+    assert res.ok and res.changed
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)
+
+
+def test_restore_onto_other_gpus_with_a_device_map(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580, gpus=4)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes
+    engine.checkpoint(procs)
+    frozen = counters(node)
+    u = node.lab.uuids
+    mapping = {u[0]: u[2], u[1]: u[3]}
+    res = engine.restore(procs, mapping)
+    assert res.ok and res.device_map == mapping
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)
+    assert node.lab.status("solo")["gpu"] == u[2]
+    assert node.lab.status("small")["gpu"] == u[3]
+    used = [g["memory_used_mib"] for g in node.lab.info()["gpus"]]
+    assert used[0] == used[1] == 0 and used[2] > 0 and used[3] > 0
+
+
+@pytest.mark.parametrize("driver", [550, 570])
+def test_remap_is_refused_before_touching_anything_without_device_map(make_node, driver: int) -> None:
+    node = make_node(driver=driver, gpus=3)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes
+    engine.checkpoint(procs)
+    u = node.lab.uuids
+    with pytest.raises(EnvironmentProblem, match="--device-map"):
+        engine.restore(procs, {u[0]: u[2], u[1]: u[1]})
+    assert all(engine.read_state(p.pid) == "checkpointed" for p in procs)
+    assert engine.restore(procs).ok
+
+
+def test_sequential_mode(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580)
+    engine = node.engine(sequential=True)
+    init, _ = start(node)
+    procs = find(node, engine, init.pid).processes
+    res = engine.checkpoint(procs)
+    ckpt = sorted((s.start, s.end) for s in res.timeline.steps if s.step == "checkpoint")
+    assert all(a[1] <= b[0] for a, b in zip(ckpt, ckpt[1:], strict=False))  # one at a time
+    frozen = counters(node)
+    engine.restore(procs)
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)
+
+
+def test_unlock_left_to_the_caller(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, _ = start(node)
+    procs = find(node, engine, init.pid).processes
+    engine.checkpoint(procs)
+    frozen = counters(node)
+    res = engine.restore(procs, unlock=False)
+    assert set(res.final.values()) == {"locked"}
+    time.sleep(0.2)
+    assert counters(node) == frozen
+    engine.unlock(procs)
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)

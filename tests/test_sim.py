@@ -1,0 +1,252 @@
+"""The simulator behaves like the real driver and tools, failures included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from cudahook.backends.cli import parse_help
+from cudahook.sim.tool import help_text
+
+from .conftest import DRIVERS
+
+
+def cc(node, *args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    return subprocess.run([str(node.lab.cuda_checkpoint), *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def device_fds(pid: int) -> list[str]:
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if "/nvidia" in target:
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_help_advertises_exactly_the_branch_features(make_node, driver: int) -> None:
+    node = make_node(driver=driver)
+    out = cc(node, "--help")
+    assert out.returncode == 0
+    f = parse_help(out.stdout)
+    assert f.major == driver
+    assert f.toggle
+    assert f.actions == f.get_state == f.restore_tid == (driver >= 555)
+    assert f.device_map == (driver >= 580)
+    assert parse_help(help_text(driver)) == f
+
+
+def test_r550_rejects_newer_flags(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=550)
+    out = cc(node, "--get-state", "--pid", "1")
+    assert out.returncode == 1
+    assert "unrecognized option '--get-state'" in out.stderr
+    out = cc(node, "-p", "1", "--toggle")
+    assert out.returncode == 1 and "unrecognized option '-p'" in out.stderr
+
+
+def test_r570_rejects_device_map(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=570)
+    out = cc(node, "--action", "restore", "--pid", "1", "--device-map", "GPU-a=GPU-b")
+    assert out.returncode == 1 and "unrecognized option '--device-map'" in out.stderr
+
+
+def test_state_machine_and_memory_round_trip(node) -> None:  # type: ignore[no-untyped-def]
+    p = node.spawn("w", mib=8)
+    st = node.lab.wait_counter("w", 2)
+    pid = str(p.pid)
+    assert cc(node, "--get-state", "--pid", pid).stdout == "running\n"
+    assert cc(node, "--get-restore-tid", "--pid", pid).stdout.strip() == str(st["restore_tid"])
+    tname = open(f"/proc/{p.pid}/task/{st['restore_tid']}/comm").read().strip()
+    assert tname.startswith("cuda") and len(tname) == 15
+
+    # Illegal transitions fail with the driver's error, exit status = code & 0xff.
+    for action in ("checkpoint", "restore", "unlock"):
+        out = cc(node, "--action", action, "--pid", pid)
+        assert out.returncode == 401 & 0xFF
+        assert out.stderr == (f'Could not {action} on process ID {pid}: '
+                              '"the operation cannot be performed in the present state"\n')
+
+    assert cc(node, "--action", "lock", "--pid", pid).returncode == 0
+    assert cc(node, "--get-state", "--pid", pid).stdout == "locked\n"
+    frozen = node.lab.status("w")["counter"]
+    time.sleep(0.2)
+    assert node.lab.status("w")["counter"] == frozen  # locked: no GPU work
+    assert cc(node, "--action", "lock", "--pid", pid).returncode == 401 & 0xFF
+
+    assert cc(node, "--action", "checkpoint", "--pid", pid).returncode == 0
+    assert cc(node, "--get-state", "--pid", pid).stdout == "checkpointed\n"
+    assert device_fds(p.pid) == []  # nothing left for CRIU to choke on
+    gpu = node.lab.info()["gpus"][0]
+    assert gpu["memory_used_mib"] == 0 and gpu["processes"] == []
+
+    assert cc(node, "--action", "restore", "--pid", pid).returncode == 0
+    assert cc(node, "--get-state", "--pid", pid).stdout == "locked\n"
+    assert len(device_fds(p.pid)) >= 2
+    assert node.lab.status("w")["counter"] == frozen
+    assert cc(node, "--action", "unlock", "--pid", pid).returncode == 0
+    st = node.lab.wait_counter("w", frozen + 12)
+    assert st["intact"] and st["errors"] == [] and st["checks"] >= 1
+
+
+def test_non_cuda_and_nvml_only_processes_fail_every_call(node) -> None:  # type: ignore[no-untyped-def]
+    nvml = node.spawn("nvml", nvml_only=True)
+    node.lab.wait_counter("nvml")
+    plain = subprocess.Popen(["sleep", "30"])
+    try:
+        for pid in (nvml.pid, plain.pid):
+            for args in (["--get-state"], ["--get-restore-tid"], ["--action", "lock"]):
+                out = cc(node, *args, "--pid", str(pid))
+                assert out.returncode == 3
+                assert out.stderr.endswith(': "initialization error"\n')
+        assert device_fds(nvml.pid)  # NVML users do hold device nodes
+    finally:
+        plain.kill()
+        plain.wait()
+
+
+def test_lock_timeout_on_busy_process_leaves_it_running(node) -> None:  # type: ignore[no-untyped-def]
+    p = node.spawn("busy", mib=1, kernel_ms=1500, interval_ms=0)
+    node.lab.wait_counter("busy", 0)
+    time.sleep(0.1)  # the next kernel is in flight
+    t = time.monotonic()
+    out = cc(node, "--action", "lock", "--pid", str(p.pid), "--timeout", "200")
+    assert time.monotonic() - t < 1.4
+    assert out.returncode == 909 & 0xFF
+    assert out.stderr == f'Could not lock on process ID {p.pid}: "the operation timed out"\n'
+    assert cc(node, "--get-state", "--pid", str(p.pid)).stdout == "running\n"
+    c = node.lab.status("busy")["counter"]
+    node.lab.wait_counter("busy", c, timeout=10)
+
+
+def test_stopped_target_makes_the_tool_hang(node) -> None:  # type: ignore[no-untyped-def]
+    p = node.spawn("w", mib=1)
+    node.lab.wait_counter("w")
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            cc(node, "--get-state", "--pid", str(p.pid), timeout=1.0)
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    assert cc(node, "--get-state", "--pid", str(p.pid)).stdout == "running\n"
+
+
+def test_lost_gpu_connection_loses_the_memory(node) -> None:  # type: ignore[no-untyped-def]
+    """What a dump without a checkpoint amounts to: the device memory is gone."""
+    node.spawn("w", mib=4)
+    node.lab.wait_counter("w", 2)
+    node.lab.stop()  # the GPU goes away under a running process
+    deadline = time.monotonic() + 10
+    while node.lab.status("w").get("state") != "lost":
+        assert time.monotonic() < deadline, node.lab.status("w")
+        time.sleep(0.05)
+    assert node.lab.status("w")["intact"] is False
+
+
+def test_failed_restore_out_of_memory_stays_checkpointed(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(gpus=1, memory_mib=48)
+    p = node.spawn("a", mib=32)
+    node.lab.wait_counter("a")
+    pid = str(p.pid)
+    assert cc(node, "--action", "lock", "--pid", pid).returncode == 0
+    assert cc(node, "--action", "checkpoint", "--pid", pid).returncode == 0
+    hog = node.spawn("hog", mib=32)  # takes the memory meanwhile
+    node.lab.wait_counter("hog")
+    out = cc(node, "--action", "restore", "--pid", pid)
+    assert out.returncode == 2
+    assert out.stderr == f'Could not restore on process ID {pid}: "out of memory"\n'
+    assert cc(node, "--get-state", "--pid", pid).stdout == "checkpointed\n"
+    os.killpg(hog.pid, signal.SIGKILL)
+    hog.wait()
+    time.sleep(0.2)
+    assert cc(node, "--action", "restore", "--pid", pid).returncode == 0
+    assert cc(node, "--action", "unlock", "--pid", pid).returncode == 0
+    st = node.lab.wait_counter("a", node.lab.status("a")["counter"] + 12)
+    assert st["intact"] and not st["errors"]
+
+
+def test_device_map_must_name_the_process_gpu(node) -> None:  # type: ignore[no-untyped-def]
+    p = node.spawn("w", mib=2)
+    node.lab.wait_counter("w")
+    pid = str(p.pid)
+    cc(node, "--action", "lock", "--pid", pid)
+    cc(node, "--action", "checkpoint", "--pid", pid)
+    a, b = node.lab.uuids
+    out = cc(node, "--action", "restore", "--pid", pid, "--device-map", f"{b}={a}")
+    assert out.returncode == 1 and '"invalid argument"' in out.stderr
+    assert cc(node, "--action", "restore", "--pid", pid, "--device-map", f"{a}={b}").returncode == 0
+    cc(node, "--action", "unlock", "--pid", pid)
+    st = node.lab.wait_counter("w", node.lab.status("w")["counter"] + 12)
+    assert st["gpu"] == b and st["intact"]
+    assert [g["memory_used_mib"] > 0 for g in node.lab.info()["gpus"]] == [False, True]
+
+
+def test_toggle_round_trip_on_r550(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=550)
+    p = node.spawn("w", mib=2)
+    node.lab.wait_counter("w")
+    assert cc(node, "--toggle", "--pid", str(p.pid)).returncode == 0
+    assert device_fds(p.pid) == []
+    c = node.lab.status("w")["counter"]
+    assert cc(node, "--toggle", "--pid", str(p.pid)).returncode == 0
+    assert node.lab.wait_counter("w", c + 12)["intact"]
+
+
+def test_attach_latency_is_paid_per_call(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(attach_latency_s=0.4)
+    p = node.spawn("w", mib=1)
+    node.lab.wait_counter("w")
+    t = time.monotonic()
+    assert cc(node, "--get-state", "--pid", str(p.pid)).returncode == 0
+    assert time.monotonic() - t >= 0.4
+    t = time.monotonic()
+    cc(node, "--help")
+    assert time.monotonic() - t < 0.4  # --help does not attach
+
+
+def test_copy_bandwidth_is_paid_per_mib(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(bandwidth_mib_s=40)
+    p = node.spawn("w", mib=16)
+    node.lab.wait_counter("w")
+    cc(node, "--action", "lock", "--pid", str(p.pid))
+    t = time.monotonic()
+    assert cc(node, "--action", "checkpoint", "--pid", str(p.pid)).returncode == 0
+    assert time.monotonic() - t >= 16 / 40
+
+
+def test_fault_injection_by_pid_tag_and_count(node) -> None:  # type: ignore[no-untyped-def]
+    a = node.spawn("a", mib=1)
+    b = node.spawn("b", mib=1)
+    node.lab.wait_counter("a")
+    node.lab.wait_counter("b")
+    node.lab.fault("lock", code=2, pid=a.pid, times=1)
+    node.lab.fault("get-state", mode="crash", tag="b")
+    out = cc(node, "--action", "lock", "--pid", str(a.pid))
+    assert out.returncode == 2 and '"out of memory"' in out.stderr
+    assert cc(node, "--action", "lock", "--pid", str(a.pid)).returncode == 0  # used up
+    out = cc(node, "--get-state", "--pid", str(b.pid))
+    assert out.returncode == 999 & 0xFF
+    assert b.wait(timeout=5) == -signal.SIGKILL
+    node.lab.clear_faults()
+    node.lab.fault("unlock", mode="hang")
+    with pytest.raises(subprocess.TimeoutExpired):
+        cc(node, "--action", "unlock", "--pid", str(a.pid), timeout=1.0)
+
+
+def test_multi_process_workload_has_one_cuda_context_per_worker(node) -> None:  # type: ignore[no-untyped-def]
+    node.spawn("mp", mib=2, procs=3)
+    reports = [node.lab.wait_counter(f"mp.{i}") for i in range(3)]
+    pids = {r["pid"] for r in reports}
+    tids = {r["restore_tid"] for r in reports}
+    assert len(pids) == 3 and len(tids) == 3
+    procs = node.lab.info()["gpus"][0]["processes"]
+    assert {p["pid"] for p in procs} == pids
