@@ -47,9 +47,10 @@ def container_pids(host: Host, init_pid: int) -> tuple[list[int], str]:
     """All host PIDs of the container whose init is `init_pid`."""
     init_ns = host.pidns(init_pid)
     if init_ns != host.own_pidns():
-        members = host.cgroup_members(init_pid)
-        if members is not None:
-            return [p for p in members if _same_ns(host, p, init_ns)], "cgroup"
+        for members in host.cgroup_members(init_pid):
+            inside = [p for p in members if _same_ns(host, p, init_ns)]
+            if len(inside) == len(members):  # the container's own cgroup
+                return inside, "cgroup"
         pids = [p for p in host.all_pids() if _same_ns(host, p, init_ns)]
         return pids, "pidns-scan"
     return _descendants(host, init_pid), "tree-scan"
@@ -58,7 +59,7 @@ def container_pids(host: Host, init_pid: int) -> tuple[list[int], str]:
 def _same_ns(host: Host, pid: int, ns: str) -> bool:
     try:
         return host.pidns(pid) == ns
-    except ProcessGone:
+    except (ProcessGone, PermissionError):
         return False
 
 
@@ -73,7 +74,7 @@ def _descendants(host: Host, root: int) -> list[int]:
     for pid in host.all_pids():
         try:
             children.setdefault(host.ppid(pid), []).append(pid)
-        except (ProcessGone, ValueError, IndexError):
+        except (ProcessGone, PermissionError, ValueError, IndexError):
             continue
     found, todo = [], [root]
     while todo:

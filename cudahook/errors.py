@@ -37,7 +37,7 @@ class EnvironmentProblem(CudahookError):
 
 
 class DeviceMapError(CudahookError):
-    exit_code = Exit.FAILED
+    exit_code = Exit.USAGE
 
 
 class ToolError(CudahookError):

@@ -162,22 +162,27 @@ class Host:
         entries.sort(key=lambda e: e[0] != "")
         return entries
 
-    def cgroup_members(self, pid: int) -> list[int] | None:
-        """Every PID in the process's cgroup subtree, or None if no usable cgroup.
+    def cgroup_members(self, pid: int) -> Iterator[list[int]]:
+        """The PIDs of each (non-root) cgroup subtree that holds the process.
 
         This is what keeps discovery independent of host size: a container's
         cgroup lists exactly its processes, while walking /proc costs one read
-        per process on the host.
+        per process on the host. The caller decides which hierarchy is the
+        container's own: a shared one also lists processes outside it.
         """
+        seen: set[Path] = set()
         for controllers, path in self.cgroup_paths(pid):
             if path in ("", "/"):
                 continue
             for base in self._cgroup_mounts(controllers):
-                top = base / path.lstrip("/")
+                top = (base / path.lstrip("/")).resolve()
+                if top in seen:
+                    continue
+                seen.add(top)
                 pids = _read_cgroup_tree(top)
                 if pids is not None and pid in pids:
-                    return sorted(pids)
-        return None
+                    yield sorted(pids)
+                    break
 
     def _cgroup_mounts(self, controllers: str) -> list[Path]:
         root = self.cgroup_root

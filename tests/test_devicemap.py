@@ -28,7 +28,7 @@ def test_full_move_pairs_by_position() -> None:
 
 
 def test_count_mismatch_is_an_error() -> None:
-    with pytest.raises(DeviceMapError, match="1 GPU.*2 are available"):
+    with pytest.raises(DeviceMapError, match=r"1 GPU.*2 are available"):
         compute_device_map([g(1)], [g(2), g(3)])
 
 

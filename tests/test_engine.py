@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -82,7 +83,7 @@ def test_round_trip_every_driver(make_node, driver: int) -> None:
 def test_phases_are_idempotent(make_node, driver: int) -> None:
     node = make_node(driver=driver)
     engine = node.engine()
-    init, pids = start(node)
+    init, _pids = start(node)
     procs = find(node, engine, init.pid).processes
     assert engine.checkpoint(procs).changed
     second = engine.checkpoint(procs)  # CRIU runs every action script twice
@@ -165,7 +166,7 @@ def test_restore_failure_holds_everything_then_a_retry_succeeds(make_node) -> No
 def test_restore_onto_other_gpus_with_a_device_map(make_node) -> None:  # type: ignore[no-untyped-def]
     node = make_node(driver=580, gpus=4)
     engine = node.engine()
-    init, pids = start(node)
+    init, _pids = start(node)
     procs = find(node, engine, init.pid).processes
     engine.checkpoint(procs)
     frozen = counters(node)
@@ -184,7 +185,7 @@ def test_restore_onto_other_gpus_with_a_device_map(make_node) -> None:  # type: 
 def test_remap_is_refused_before_touching_anything_without_device_map(make_node, driver: int) -> None:
     node = make_node(driver=driver, gpus=3)
     engine = node.engine()
-    init, pids = start(node)
+    init, _pids = start(node)
     procs = find(node, engine, init.pid).processes
     engine.checkpoint(procs)
     u = node.lab.uuids
@@ -201,7 +202,7 @@ def test_sequential_mode(make_node) -> None:  # type: ignore[no-untyped-def]
     procs = find(node, engine, init.pid).processes
     res = engine.checkpoint(procs)
     ckpt = sorted((s.start, s.end) for s in res.timeline.steps if s.step == "checkpoint")
-    assert all(a[1] <= b[0] for a, b in zip(ckpt, ckpt[1:], strict=False))  # one at a time
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ckpt))  # one at a time
     frozen = counters(node)
     engine.restore(procs)
     assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)

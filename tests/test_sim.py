@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_state_machine_and_memory_round_trip(node) -> None:  # type: ignore[no-u
     pid = str(p.pid)
     assert cc(node, "--get-state", "--pid", pid).stdout == "running\n"
     assert cc(node, "--get-restore-tid", "--pid", pid).stdout.strip() == str(st["restore_tid"])
-    tname = open(f"/proc/{p.pid}/task/{st['restore_tid']}/comm").read().strip()
+    tname = Path(f"/proc/{p.pid}/task/{st['restore_tid']}/comm").read_text().strip()
     assert tname.startswith("cuda") and len(tname) == 15
 
     # Illegal transitions fail with the driver's error, exit status = code & 0xff.

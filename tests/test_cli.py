@@ -1,0 +1,108 @@
+"""The admin CLI: documented exit codes, one-line errors, real runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from .conftest import Node
+
+
+def cli(*args: str, config: str | None = None) -> subprocess.CompletedProcess[str]:
+    pre = ["--config", config] if config else []
+    return subprocess.run([sys.executable, "-m", "cudahook", *pre, *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def write_config(node: Node, **over: object) -> str:
+    s = node.settings(**over)
+    path = node.lab.root / "config.yaml"
+    path.write_text(yaml.safe_dump(dict(s.__dict__)))
+    return str(path)
+
+
+def one_line_error(r: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    assert r.returncode == code, r
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("cudahook: "), r.stderr
+    assert text in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["checkpoint"], ["checkpoint", "--pid", "x"],
+                                  ["restore", "--pid", "1", "--init-pid", "1"], ["frobnicate"]])
+def test_bad_arguments_exit_2(args: list[str]) -> None:
+    one_line_error(cli(*args), 2, "see 'cudahook")
+
+
+def test_bad_config_exits_3(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "c.yaml"
+    bad.write_text("call_timeout_s: -1\n")
+    one_line_error(cli("state", "--pid", "1", config=str(bad)), 3, "call_timeout_s")
+
+
+def test_missing_tool_exits_5(node: Node) -> None:
+    cfg = write_config(node, cuda_checkpoint="/nonexistent/cuda-checkpoint")
+    one_line_error(cli("features", config=cfg), 5, "cuda-checkpoint not usable")
+
+
+def test_no_such_process_exits_2(node: Node) -> None:
+    one_line_error(cli("checkpoint", "--init-pid", "4000000", config=write_config(node)), 2,
+                   "no process 4000000")
+
+
+def test_bad_device_map_exits_2_and_changes_nothing(node: Node) -> None:
+    p = node.spawn("w", mib=1)
+    node.lab.wait_counter("w")
+    cfg = write_config(node)
+    assert cli("checkpoint", "--pid", str(p.pid), config=cfg).returncode == 0
+    one_line_error(cli("restore", "--pid", str(p.pid), "--device-map", "GPU-1=GPU-2",
+                       config=cfg), 2, "not a GPU UUID")
+    assert cli("state", "--pid", str(p.pid), config=cfg).stdout.split() == [str(p.pid),
+                                                                             "checkpointed"]
+
+
+def test_checkpoint_and_remapped_restore_by_init_pid(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(gpus=2)
+    init = node.spawn_tree(("a", {"mib": 2}), ("b", {"mib": 2, "procs": 2}))
+    tags = ["a", "b.0", "b.1"]
+    pids = sorted(node.lab.wait_counter(t)["pid"] for t in tags)
+    cfg = write_config(node)
+    r = cli("--json", "checkpoint", "--init-pid", str(init.pid), config=cfg)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["changed"] == pids
+    assert {s["step"] for s in out["timeline"]["steps"]} >= {"get-state", "lock", "checkpoint"}
+    frozen = {t: node.lab.status(t)["counter"] for t in tags}
+    u = node.lab.uuids
+    r = cli("--json", "restore", "--init-pid", str(init.pid), "--source-gpus", u[0],
+            "--target-gpus", u[1], config=cfg)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["device_map"] == {u[0]: u[1]}
+    for t in tags:
+        st = node.lab.wait_counter(t, frozen[t] + 11)
+        assert st["gpu"] == u[1] and st["intact"] and not st["errors"]
+
+
+def test_failed_checkpoint_exits_1_and_workload_runs(node: Node) -> None:
+    init = node.spawn_tree(("a", {"mib": 1}), ("b", {"mib": 1}))
+    a = node.lab.wait_counter("a")["pid"]
+    b = node.lab.wait_counter("b")["pid"]
+    node.lab.fault("checkpoint", pid=b, code=2)
+    r = cli("checkpoint", "--init-pid", str(init.pid), config=write_config(node))
+    one_line_error(r, 1, f'pid {b}: checkpoint exit 2: Could not checkpoint on process ID {b}')
+    cfg = write_config(node)
+    assert cli("state", "--pid", str(a), "--pid", str(b), config=cfg).stdout.split() == [
+        str(a), "running", str(b), "running"]
+
+
+def test_gpus_and_features(node: Node) -> None:
+    cfg = write_config(node)
+    r = cli("--json", "gpus", config=cfg)
+    assert [g["uuid"] for g in json.loads(r.stdout)] == node.lab.uuids
+    r = cli("--json", "features", config=cfg)
+    f = json.loads(r.stdout)
+    assert f["version"] == "580.65.06" and f["device_map"]

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cudahook import config
+from cudahook.config import Settings
+from cudahook.errors import ConfigError
+
+
+def test_defaults_match_the_shipped_file() -> None:
+    shipped = config.load(config.config_dir() / "config.yaml")
+    assert shipped == Settings()
+
+
+def test_absent_default_file_means_defaults(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(config, "DEFAULT_PATH", tmp_path / "none.yaml")
+    monkeypatch.delenv(config.ENV_PATH, raising=False)
+    assert config.load() == Settings()
+
+
+def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such configuration file"):
+        config.load(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("lock_timeout_ms: soon\n", "lock_timeout_ms: 'soon' is not of type 'integer'"),
+    ("bogus: 1\n", "Additional properties are not allowed"),
+    ("device_pattern: '(unclosed'\n", "device_pattern: '(unclosed' is not a 'regex'"),
+    ("max_parallel: 0\n", "max_parallel: 0 is less than the minimum of 1"),
+    ("- a\n- b\n", "is not of type 'object'"),
+    ("a: [\n", "not valid YAML"),
+])
+def test_invalid_files_give_one_clear_line(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        config.load(f)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_values_are_applied(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("sequential: true\nlock_timeout_ms: 250\ncuda_checkpoint: sh\n")
+    s = config.load(f)
+    assert s.sequential and s.lock_timeout_ms == 250
+    assert s.tool("cuda_checkpoint").endswith("/sh")  # bare names resolve on PATH
