@@ -109,6 +109,20 @@ class Host:
         # comm may hold spaces and parentheses: split after the last ')'
         return int(stat[stat.rindex(")") + 2 :].split()[1])
 
+    def start_time(self, pid: int) -> int:
+        """Start time in clock ticks: with the PID, names one process for good."""
+        stat = self.read(pid, "stat")
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+    def alive(self, pid: int, start: int | None = None) -> bool:
+        """Running (not a zombie) and, if given, the same process as before."""
+        try:
+            if self.state(pid) in "ZX":
+                return False
+            return start is None or self.start_time(pid) == start
+        except ProcessGone:
+            return False
+
     def state(self, pid: int) -> str:
         stat = self.read(pid, "stat")
         return stat[stat.rindex(")") + 2]

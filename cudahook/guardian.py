@@ -1,0 +1,67 @@
+"""Bring a workload back onto its GPU once CRIU lets it run again.
+
+Started detached at pre-dump. CRIU resumes the tasks when a dump fails (at
+any point, including while freezing, where no action script runs) or when it
+dumps with --leave-running; either way the CUDA processes are alive but
+checkpointed. A successful dump kills them. So: wait for this CRIU process
+to exit, and restore whichever of the checkpointed processes is still alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import time
+from typing import Any
+
+MAX_WAIT_S = 6 * 3600
+
+
+def wait_exit(pid: int, start: int, host: Any) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return
+    try:
+        if not host.alive(pid, start):
+            return
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll(MAX_WAIT_S * 1000)
+    finally:
+        os.close(fd)
+
+
+def main(arg: str) -> int:
+    from .config import Settings
+    from .context import Context
+    from .errors import CudahookError
+
+    args = json.loads(arg)
+    ctx = Context(Settings(**args["settings"]))
+    wait_exit(int(args["criu_pid"]), int(args["criu_start"]), ctx.host)
+    # The tasks of a completed dump are being killed; let that land.
+    time.sleep(0.05)
+    alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
+    cid = args.get("container")
+    if not alive:
+        ctx.log("guardian", container=cid, outcome="dump completed; nothing to resume")
+        return 0
+    try:
+        result = ctx.engine.restore(alive)
+    except CudahookError as exc:
+        alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
+        if not alive:
+            ctx.log("guardian", container=cid, outcome="tasks exited while resuming")
+            return 0
+        ctx.log("guardian", container=cid, pids=alive,
+                error=f"could not bring the workload back onto its GPU: {exc}")
+        return 1
+    ctx.log("guardian", container=cid, pids=alive, outcome="resumed on GPU after the dump",
+            total_s=result.timeline.total(), timeline=result.timeline.to_dict())
+    if cid:
+        with contextlib.suppress(OSError, CudahookError):
+            ctx.store.remember(cid, "resume", {"time": time.time(), "ok": True, "pids": alive})
+    return 0

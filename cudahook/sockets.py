@@ -1,0 +1,82 @@
+"""The CUDA VMM interposer's sockets in a container's /snapshot-control.
+
+The container owns that directory, so nothing here follows a symlink: the
+directory is opened with O_NOFOLLOW and every entry is examined and removed
+relative to that descriptor. Only names of the exact form
+cuda-vmm-<nspid>.sock that are sockets count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+
+SOCKET_NAME = re.compile(r"^cuda-vmm-([1-9][0-9]{0,9})\.sock$")
+
+
+def open_dir_nofollow(path: str) -> int | None:
+    """An fd on `path` if it is a real directory, reached without any symlink."""
+    if not os.path.isabs(path):
+        return None
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    try:
+        for part in [p for p in path.split("/") if p]:
+            if part in (".", ".."):
+                return None
+            try:
+                nfd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError:
+                return None
+            os.close(fd)
+            fd = nfd
+        good, fd = fd, -1
+        return good
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def list_sockets(path: str) -> dict[int, str]:
+    """nspid -> name for every valid interposer socket in the directory."""
+    dfd = open_dir_nofollow(path)
+    if dfd is None:
+        return {}
+    try:
+        found = {}
+        for name in os.listdir(f"/proc/self/fd/{dfd}"):
+            m = SOCKET_NAME.match(name)
+            if not m:
+                continue
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISSOCK(st.st_mode):
+                found[int(m.group(1))] = name
+        return found
+    finally:
+        os.close(dfd)
+
+
+def remove_stale_sockets(path: str) -> int:
+    dfd = open_dir_nofollow(path)
+    if dfd is None:
+        return 0
+    try:
+        removed = 0
+        for name in os.listdir(f"/proc/self/fd/{dfd}"):
+            if not SOCKET_NAME.match(name):
+                continue
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISSOCK(st.st_mode):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dfd)
+                    removed += 1
+        return removed
+    finally:
+        os.close(dfd)

@@ -1,0 +1,146 @@
+"""Durable little JSON files under the state directory: per-container records,
+per-CRIU-run progress, and the last results kept for `cudahook status`.
+
+Every write is atomic (temp file + rename in the same directory) and private
+(0700 directories, 0600 files): the hooks run as root and these files steer
+what they do to a container. Writers of one container serialise on a lock
+file, because runc may run a create hook while a checkpoint is under way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,255}$")
+
+
+def check_id(container_id: str) -> str:
+    if not _ID.match(container_id):
+        raise UsageError(f"invalid container id {container_id!r}")
+    return container_id
+
+
+def write_json_atomic(path: Path, data: Any, mode: int = 0o600) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: Path) -> Any | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None
+
+
+class Store:
+    def __init__(self, state_dir: str | os.PathLike[str]):
+        self.root = Path(state_dir)
+
+    def _dir(self, name: str) -> Path:
+        d = self.root / name
+        if not d.is_dir():
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            os.chmod(self.root, 0o700)
+        return d
+
+    # -- container records ---------------------------------------------------
+
+    def record_path(self, container_id: str) -> Path:
+        return self._dir("containers") / f"{check_id(container_id)}.json"
+
+    @contextlib.contextmanager
+    def locked(self, container_id: str) -> Iterator[None]:
+        path = self._dir("containers") / f"{check_id(container_id)}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def load(self, container_id: str) -> dict[str, Any] | None:
+        return read_json(self.record_path(container_id))
+
+    def save(self, container_id: str, record: dict[str, Any]) -> None:
+        write_json_atomic(self.record_path(container_id), record)
+
+    def update(self, container_id: str, **fields: Any) -> dict[str, Any]:
+        with self.locked(container_id):
+            record = self.load(container_id) or {"id": container_id}
+            record.update(fields)
+            self.save(container_id, record)
+            return record
+
+    def delete(self, container_id: str) -> None:
+        d = self._dir("containers")
+        for suffix in (".json", ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(d / f"{check_id(container_id)}{suffix}")
+
+    def records(self) -> list[dict[str, Any]]:
+        d = self.root / "containers"
+        if not d.is_dir():
+            return []
+        out = []
+        for p in sorted(d.glob("*.json")):
+            rec = read_json(p)
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
+
+    def find_by_pid(self, pid: int) -> dict[str, Any] | None:
+        for rec in self.records():
+            if rec.get("pid") == pid:
+                return rec
+        return None
+
+    # -- results kept past the container's life -------------------------------
+
+    def remember(self, container_id: str, kind: str, result: dict[str, Any]) -> None:
+        path = self._dir("history") / f"{check_id(container_id)}.json"
+        with self.locked(container_id):
+            data = read_json(path) or {}
+            data[kind] = result
+            write_json_atomic(path, data)
+
+    def history(self) -> dict[str, dict[str, Any]]:
+        d = self.root / "history"
+        if not d.is_dir():
+            return {}
+        return {p.stem: read_json(p) or {} for p in sorted(d.glob("*.json"))}
+
+    # -- progress of one CRIU run (its actions run twice) -----------------------
+
+    def run_path(self, run_key: str) -> Path:
+        return self._dir("runs") / f"{run_key}.json"
+
+    def prune_runs(self, max_age_s: float = 86400) -> None:
+        d = self.root / "runs"
+        cutoff = time.time() - max_age_s
+        for p in d.glob("*.json") if d.is_dir() else ():
+            with contextlib.suppress(OSError):
+                if p.stat().st_mtime < cutoff:
+                    p.unlink()
