@@ -30,8 +30,9 @@ PR_SET_PDEATHSIG = 1
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cudahook-sim workload")
     p.add_argument("--socket", default=os.environ.get("CUDA_SIM_SOCKET", "/run/cuda-sim/gpu.sock"))
-    p.add_argument("--gpu", default=os.environ.get("CUDA_SIM_GPU", ""),
-                   help="GPU UUID, or an index into the service's GPUs (default 0)")
+    p.add_argument("--gpu", default=os.environ.get("CUDA_SIM_GPU", _first_visible()),
+                   help="GPU UUID, or an index into the service's GPUs (default: the first "
+                   "of NVIDIA_VISIBLE_DEVICES, else 0)")
     p.add_argument("--mib", type=int, default=16, help="device memory to hold (MiB)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--tag", default=os.environ.get("CUDA_SIM_TAG", "workload"))
@@ -45,6 +46,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nvml-only", action="store_true",
                    help="open the device nodes like an NVML monitor, never init CUDA")
     return p.parse_args(argv)
+
+
+def _first_visible() -> str:
+    # As in a container set up by nvidia-container-toolkit: CUDA sees these GPUs.
+    visible = os.environ.get("NVIDIA_VISIBLE_DEVICES", "")
+    first = visible.split(",")[0].strip()
+    return "" if first in ("all", "none", "void") else first
 
 
 class Reporter:

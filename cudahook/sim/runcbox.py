@@ -1,0 +1,142 @@
+"""GPU containers on the simulated node, run by real runc and CRIU.
+
+Used by the end-to-end tests and the demo. A container sees the simulated
+GPU as a real one would appear: device nodes bind-mounted at /dev/nvidia*,
+NVIDIA_VISIBLE_DEVICES naming its GPUs, and the driver (here: the GPU
+service's socket directory) bind-mounted in. Its init is a shell that starts
+the simulated CUDA workloads and any other processes beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .bundle import find_criu, make_bundle
+from .lab import PKG_PARENT, SimLab
+
+GUEST_PKG = "/opt/cudahook"
+GUEST_SIM = "/run/cuda-sim"
+
+
+class RuncBox:
+    def __init__(self, work: Path, lab: SimLab, *, hooks_dir: Path | None = None,
+                 criu: Path | None = None, runc: str = "runc"):
+        self.work = Path(work)
+        self.lab = lab
+        self.hooks_dir = hooks_dir
+        self.criu = criu or find_criu()
+        self.runc = runc
+        self.root = self.work / "runc-root"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.criu_conf = self.work / "criu.conf"
+        if hooks_dir is not None:
+            self.criu_conf.write_text(f"action-script {hooks_dir / 'cudahook-criu-action'}\n")
+        self.ids: set[str] = set()
+
+    # -- bundles -----------------------------------------------------------------
+
+    def workload_cmd(self, tag: str, **opts: Any) -> str:
+        argv = ["/usr/bin/python3", "-m", "cudahook.sim", "workload", "--tag", tag]
+        for key, value in opts.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                argv.append(flag)
+            elif value not in (False, None):
+                argv += [flag, str(value)]
+        return shlex.join(argv)
+
+    def bundle(
+        self,
+        name: str,
+        workloads: Sequence[tuple[str, dict[str, Any]]],
+        *,
+        visible: Sequence[str] | None = None,
+        others: Sequence[str] = (),
+        oci_hooks: bool = True,
+        action_script: bool = True,
+        annotations: dict[str, str] | None = None,
+    ) -> Path:
+        """A bundle whose init runs the workloads (and `others`, shell commands)."""
+        cmds = [self.workload_cmd(t, **o) for t, o in workloads] + list(others)
+        script = " ".join(f"{c} &" for c in cmds) + " wait"
+        uuids = list(visible) if visible is not None else self.lab.uuids[:1]
+        env = [
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            f"PYTHONPATH={GUEST_PKG}",
+            f"CUDA_SIM_SOCKET={GUEST_SIM}/gpu.sock",
+            f"CUDA_SIM_STATUS_DIR={GUEST_SIM}/status",
+            "CUDA_SIM_DEV_DIR=/dev",
+            "CUDA_SIM_CTL_DIR=/dev/shm",
+            f"NVIDIA_VISIBLE_DEVICES={','.join(uuids)}",
+        ]
+        binds = [(PKG_PARENT, GUEST_PKG, True), (str(self.lab.root), GUEST_SIM, False)]
+        for node in sorted(p.name for p in self.lab.dev.iterdir()):
+            binds.append((str(self.lab.dev / node), f"/dev/{node}", False))
+        notes = dict(annotations or {})
+        # runc hands CRIU /etc/criu/runc.conf unless this names another file ("" = none).
+        notes.setdefault("org.criu.config", str(self.criu_conf) if action_script else "")
+        hooks = None
+        if oci_hooks and self.hooks_dir is not None:
+            hook = str(self.hooks_dir / "cudahook-oci-hook")
+            hooks = {
+                "createRuntime": [{"path": hook, "args": ["cudahook-oci-hook", "createRuntime"]}],
+                "poststop": [{"path": hook, "args": ["cudahook-oci-hook", "poststop"]}],
+            }
+        return make_bundle(self.work / name, ["/bin/sh", "-c", script], env=env, binds=binds,
+                           annotations=notes, hooks=hooks)
+
+    # -- runc ------------------------------------------------------------------
+
+    def _runc(self, *args: str, timeout: float = 120, detach: bool = False
+              ) -> subprocess.CompletedProcess[str]:
+        log = self.work / "runc.log"
+        argv = [self.runc, "--root", str(self.root), "--log", str(log)]
+        if self.criu is not None:
+            argv += ["--criu", str(self.criu)]
+        if not detach:
+            return subprocess.run([*argv, *args], stdin=subprocess.DEVNULL,
+                                  capture_output=True, text=True,
+                                  timeout=timeout)
+        # runc hands its stdio to a detached container: a pipe would never see
+        # EOF, and a host file would make the container undumpable. /dev/null,
+        # and runc's own log for what went wrong.
+        offset = log.stat().st_size if log.exists() else 0
+        r = subprocess.run([*argv, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=timeout)
+        with open(log, "rb") as f:
+            f.seek(offset)
+            tail = f.read().decode(errors="replace")
+        return subprocess.CompletedProcess(r.args, r.returncode, "", tail)
+
+    def run(self, cid: str, bundle: Path) -> subprocess.CompletedProcess[str]:
+        self.ids.add(cid)
+        return self._runc("run", "-d", "-b", str(bundle), cid, detach=True)
+
+    def checkpoint(self, cid: str, image: Path, *, leave_running: bool = False
+                   ) -> subprocess.CompletedProcess[str]:
+        args = ["checkpoint", "--image-path", str(image), "--work-path", str(image) + ".work"]
+        if leave_running:
+            args.append("--leave-running")
+        return self._runc(*args, cid)
+
+    def restore(self, cid: str, bundle: Path, image: Path) -> subprocess.CompletedProcess[str]:
+        self.ids.add(cid)
+        return self._runc("restore", "-d", "-b", str(bundle), "--image-path", str(image),
+                          "--work-path", str(image) + ".rwork", cid, detach=True)
+
+    def state(self, cid: str) -> dict[str, Any] | None:
+        r = self._runc("state", cid, timeout=30)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def delete(self, cid: str) -> None:
+        self._runc("kill", cid, "KILL", timeout=30)
+        self._runc("delete", "-f", cid, timeout=30)
+
+    def close(self) -> None:
+        for cid in sorted(self.ids):
+            self.delete(cid)

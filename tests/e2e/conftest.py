@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cudahook import hookfiles
+from cudahook.sim.bundle import find_criu
+from cudahook.sim.lab import SimLab
+from cudahook.sim.runcbox import RuncBox
+
+CRIU = find_criu()
+needs_runc = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+    pytest.mark.skipif(shutil.which("runc") is None, reason="runc not found"),
+    pytest.mark.skipif(CRIU is None, reason="criu >= 4.0 not found (scripts/provision-criu.sh)"),
+]
+
+
+class Env:
+    """A simulated GPU node, cudahook's hooks installed for it, and runc."""
+
+    def __init__(self, tmp: Path, **lab_kw: Any):
+        self.tmp = tmp
+        self.lab = SimLab(tmp / "node", **lab_kw).start()
+        settings = self.lab.settings()
+        self.config = tmp / "cudahook.yaml"
+        self.config.write_text(yaml.safe_dump(dict(settings.__dict__)))
+        self.state_dir = Path(settings.state_dir)
+        self.log_file = Path(settings.log_file)
+        self.hooks = tmp / "hooks"
+        hookfiles.install(self.hooks, config=str(self.config))
+        self.box = RuncBox(tmp / "runc", self.lab, hooks_dir=self.hooks, criu=CRIU)
+
+    def cid(self) -> str:
+        return f"gpu-{uuid.uuid4().hex[:8]}"
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        if not self.log_file.exists():
+            return []
+        lines = [json.loads(x) for x in self.log_file.read_text().splitlines() if x.strip()]
+        return [x for x in lines if name is None or x["event"] == name]
+
+    def wait_event(self, name: str, pred: Any = lambda e: True, timeout: float = 10) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            hits = [e for e in self.events(name) if pred(e)]
+            if hits:
+                return hits[-1]
+            assert time.monotonic() < deadline, f"no {name} event: {self.events()}"
+            time.sleep(0.05)
+
+    def wait_running(self, tags: list[str], since: dict[str, int] | None = None,
+                     steps: int = 11, timeout: float = 20) -> None:
+        """Each workload advanced `steps` past `since` with memory intact."""
+        for t in tags:
+            st = self.lab.wait_counter(t, (since or {}).get(t, 0) + steps, timeout=timeout)
+            assert st["intact"], st
+            assert st["errors"] == [], st
+
+    def counters(self, tags: list[str]) -> dict[str, int]:
+        return {t: self.lab.status(t).get("counter", 0) for t in tags}
+
+    def frozen(self, tags: list[str], for_s: float = 0.3) -> dict[str, int]:
+        before = self.counters(tags)
+        time.sleep(for_s)
+        after = self.counters(tags)
+        assert before == after, f"workloads kept running: {before} -> {after}"
+        return after
+
+    def close(self) -> None:
+        self.box.close()
+        self.lab.stop()
+
+
+@pytest.fixture
+def make_env(tmp_path: Path) -> Iterator[Any]:
+    envs: list[Env] = []
+
+    def make(**kw: Any) -> Env:
+        e = Env(tmp_path / f"env{len(envs)}", **kw)
+        envs.append(e)
+        return e
+
+    yield make
+    for e in envs:
+        e.close()
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(path)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()

@@ -1,0 +1,196 @@
+"""runc checkpoint/restore of GPU containers through cudahook's hooks, with
+real runc and CRIU and the simulated GPU."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from cudahook import manifest
+
+from .conftest import needs_runc, tree_digest
+
+pytestmark = needs_runc
+
+WORKLOADS = [("solo", {"mib": 8}), ("mp", {"mib": 2, "procs": 3})]
+TAGS = ["solo", "mp.0", "mp.1", "mp.2"]
+OTHERS = ["sleep 100000"]  # a process that is not a CUDA process, beside them
+
+
+def start(env, name="b1", workloads=WORKLOADS, others=OTHERS, **kw):  # type: ignore[no-untyped-def]
+    bundle = env.box.bundle(name, workloads, others=others, **kw)
+    cid = env.cid()
+    r = env.box.run(cid, bundle)
+    assert r.returncode == 0, r.stderr
+    tags = [t for t in TAGS if t.split(".")[0] in {w[0] for w in workloads}]
+    env.wait_running(tags, steps=3)
+    return cid, bundle, tags
+
+
+def test_round_trip(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, tags = start(env)
+    image = tmp_path / "img"
+    r = env.box.checkpoint(cid, image)
+    assert r.returncode == 0, r.stderr
+    assert env.box.state(cid) is None  # the dump ended the container
+    data = manifest.read(image)
+    assert data is not None and data["container_id"] == cid
+    assert sorted(p["nspid"] for p in data["processes"]) == sorted(
+        env.lab.status(t)["pid"] for t in tags)
+    assert data["gpus"] == env.lab.uuids[:1] and data["driver_version"].startswith("580.")
+    frozen = env.frozen(tags)
+    assert len(env.events("checkpoint")) == 1  # CRIU ran pre-dump twice; one checkpoint
+
+    r = env.box.restore(cid, bundle, image)
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)
+    assert env.box.state(cid)["status"] == "running"
+    restores = env.events("restore")
+    assert len(restores) == 1 and not restores[0].get("error")
+    assert sorted(restores[0]["pids"]) != []
+    record = json.loads((env.state_dir / "containers" / f"{cid}.json").read_text())
+    assert record["pid"] == env.box.state(cid)["pid"]  # updated by the hook on restore
+
+
+def test_leave_running_goes_on_intact(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, _, tags = start(env)
+    before = env.counters(tags)
+    r = env.box.checkpoint(cid, tmp_path / "img", leave_running=True)
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, before)  # the guardian put them back on the GPU
+    env.wait_event("guardian", lambda e: "resumed" in e.get("outcome", ""))
+    assert env.box.state(cid)["status"] == "running"
+
+
+def test_hook_not_registered_the_dump_is_refused(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, _, tags = start(env, oci_hooks=False, action_script=False)
+    before = env.counters(tags)
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    dump_log = (tmp_path / "img.work" / "dump.log").read_text()
+    assert "External socket is used" in dump_log  # the live GPU connection
+    env.wait_running(tags, before)
+
+
+def test_action_script_alone_works_by_discovery(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, tags = start(env, oci_hooks=False)
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode == 0, r.stderr
+    frozen = env.frozen(tags)
+    assert manifest.read(tmp_path / "img")["container_id"] is None
+    r = env.box.restore(cid, bundle, tmp_path / "img")
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)
+
+
+def test_remap_onto_other_gpus_on_r580(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env(driver=580, gpus=2)
+    a, b = env.lab.uuids
+    cid, _, tags = start(env, visible=[a])
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    frozen = env.frozen(tags)
+    moved = env.box.bundle("b2", WORKLOADS, others=OTHERS, visible=[b])
+    r = env.box.restore(cid, moved, image)
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)
+    assert {env.lab.status(t)["gpu"] for t in tags} == {b}
+    used = [g["memory_used_mib"] for g in env.lab.info()["gpus"]]
+    assert used[0] == 0 and used[1] > 0
+    assert env.events("restore")[-1]["device_map"] == {a: b}
+
+
+def test_remap_refused_on_r570_before_tasks_run(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env(driver=570, gpus=2)
+    a, b = env.lab.uuids
+    cid, _, tags = start(env, visible=[a])
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    digest = tree_digest(image)
+    frozen = env.frozen(tags)
+    moved = env.box.bundle("b2", WORKLOADS, others=OTHERS, visible=[b])
+    r = env.box.restore(cid, moved, image)
+    assert r.returncode != 0
+    assert "--device-map" in (tmp_path / "img.rwork" / "restore.log").read_text()
+    st = env.box.state(cid)
+    assert st is None or st["status"] == "stopped"
+    time.sleep(0.3)
+    assert env.counters(tags) == frozen  # nothing ran
+    assert tree_digest(image) == digest
+    # Same GPUs: the image restores fine.
+    env.box.delete(cid)
+    same = env.box.bundle("b3", WORKLOADS, others=OTHERS, visible=[a])
+    r = env.box.restore(cid, same, image)
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)
+
+
+def test_checkpoint_fault_on_one_of_three(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, _, _ = start(env, workloads=[("mp", {"mib": 2, "procs": 3})])
+    tags = ["mp.0", "mp.1", "mp.2"]
+    env.lab.fault("checkpoint", tag="mp.1", code=2)
+    before = env.counters(tags)
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    env.wait_running(tags, before)
+    assert env.box.state(cid)["status"] == "running"
+    err = env.events("checkpoint")[-1]["error"]
+    assert "out of memory" in err
+
+
+def test_dump_failing_after_pre_dump_resumes_on_gpu(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    # A process holding a connection to a host socket: CRIU cannot dump it,
+    # and fails after pre-dump has checkpointed the CUDA processes.
+    holder = ("/usr/bin/python3 -c 'import socket,time; s=socket.socket(socket.AF_UNIX); "
+              "s.connect(\"/run/cuda-sim/gpu.sock\"); time.sleep(1e6)'")
+    cid, _, tags = start(env, others=[holder])
+    before = env.counters(tags)
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    assert "External socket" in (tmp_path / "img.work" / "dump.log").read_text()
+    assert env.events("checkpoint") and not env.events("checkpoint")[-1].get("error")
+    env.wait_running(tags, before)
+    env.wait_event("guardian", lambda e: "resumed" in e.get("outcome", ""))
+
+
+def test_restore_fault_fails_closed_then_retry_succeeds(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, tags = start(env)
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    frozen = env.frozen(tags)
+    digest = tree_digest(image)
+    env.lab.fault("restore", tag="mp.2", code=2)
+    env.box.restore(cid, bundle, image)
+    deadline = time.monotonic() + 15
+    while (st := env.box.state(cid)) is not None and st["status"] == "running":
+        assert time.monotonic() < deadline, "a half-restored container was left running"
+        time.sleep(0.1)
+    assert env.counters(tags) == frozen
+    err = env.events("restore")[-1]["error"]
+    assert "container killed" in err and "out of memory" in err
+    assert tree_digest(image) == digest
+    env.lab.clear_faults()
+    env.box.delete(cid)
+    r = env.box.restore(cid, bundle, image)
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)
+
+
+@pytest.mark.parametrize("driver", [550, 570])
+def test_round_trip_on_older_drivers(make_env, tmp_path, driver: int) -> None:  # type: ignore[no-untyped-def]
+    env = make_env(driver=driver)
+    cid, bundle, tags = start(env)
+    assert env.box.checkpoint(cid, tmp_path / "img").returncode == 0
+    frozen = env.frozen(tags)
+    r = env.box.restore(cid, bundle, tmp_path / "img")
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)
