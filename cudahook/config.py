@@ -31,6 +31,9 @@ class Settings:
     max_parallel: int = 64
     state_dir: str = "/run/cudahook"
     log_file: str = "/var/log/cudahook.log"
+    vmm_coordinator: str = "/usr/local/bin/snapshot-cuda-vmm"
+    vmm_timeout_s: float = 300.0
+    vmm_restore_before_unlock: bool = False
 
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)

@@ -34,10 +34,11 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from . import annotations as ann
-from . import manifest
+from . import manifest, vmm
 from .context import Context
 from .criu_env import CriuCall
 from .discovery import container_pids, discover
@@ -133,10 +134,14 @@ def pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     if call.image_dir is None:
         raise UsageError("pre-dump: CRTOOLS_IMAGE_DIR is not set")
 
-    # Read everything that can fail before any process is touched.
-    gpus = _gpu_uuids(ctx, (record or {}).get("visible"))
-    version = ctx.backend.features.version
-    vmm = interposer_prepare(ctx, found, call)
+    # Everything that can refuse runs before any process is touched.
+    try:
+        gpus = _gpu_uuids(ctx, (record or {}).get("visible"))
+        version = ctx.backend.features.version
+        with_vmm = interposer_prepare(ctx, cid, found.processes, call)
+    except CudahookError as exc:
+        _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
+        raise
 
     try:
         result = ctx.engine.checkpoint(found.processes)
@@ -151,7 +156,7 @@ def pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
         "created": time.time(),
         "driver_version": version,
         "gpus": gpus,
-        "vmm": vmm,
+        "vmm": with_vmm,
         "processes": [{"nspid": p.nspid, "pid": p.pid, "state": p.state}
                       for p in found.processes],
         "timeline": result.timeline.to_dict(),
@@ -172,9 +177,21 @@ def pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     return Exit.OK
 
 
-def interposer_prepare(ctx: Context, found: Any, call: CriuCall) -> bool:
-    """The CUDA VMM interposer step runs here, before anything is locked."""
-    return False
+def interposer_prepare(ctx: Context, cid: str | None, procs: list[Any], call: CriuCall) -> bool:
+    """Detect the CUDA VMM interposer and run its coordinator before the lock.
+
+    A partial set of sockets refuses the checkpoint here, before anything is
+    locked; a coordinator that fails or times out fails it the same way.
+    """
+    detection = vmm.detect(ctx.host, procs)
+    if not detection.participates:
+        return False
+    assert call.image_dir is not None
+    output = vmm.run_coordinator(
+        ctx.host, ctx.settings.tool("vmm_coordinator"), "prepare", str(ctx.host.proc),
+        call.image_dir, [(p.pid, p.nspid) for p in procs], ctx.settings.vmm_timeout_s)
+    ctx.log("vmm-prepare", container=cid, pids=[p.pid for p in procs], output=output)
+    return True
 
 
 def spawn_guardian(ctx: Context, criu_pid: int, cid: str | None,
@@ -241,6 +258,7 @@ def post_restore(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     record, ctx, opts = _container(ctx, _need_init(call))
     mapping = _plan(ctx, call, record, opts, data)
     progress["device_map"] = mapping
+    progress["vmm_dir"] = _vmm_dir(ctx, call, data)
     # By post-resume CRIU has closed the image directory (CRTOOLS_IMAGE_DIR
     # names a dead /proc/<criu>/fd/N, seen with CRIU 4.1.1): keep what the
     # restore needs from it now.
@@ -248,6 +266,29 @@ def post_restore(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     ctx.log("post-restore", container=(record or {}).get("id"), init_pid=call.init_pid,
             device_map=mapping, checked="manifest, driver, GPUs, device map")
     return Exit.OK
+
+
+def _vmm_dir(ctx: Context, call: CriuCall, data: dict[str, Any]) -> str | None:
+    """Where the coordinator finds cuda-vmm.state at post-resume, if it exists.
+
+    CRIU's fd on the image directory is gone by then, so resolve the
+    directory's real path now; if that is not reachable, keep a private copy.
+    """
+    assert call.image_dir is not None
+    if not vmm.has_state(call.image_dir):
+        if data.get("vmm"):
+            ctx.log("post-restore", warning="manifest says the CUDA VMM interposer took part "
+                    "but the image has no cuda-vmm.state: its coordinator will not run")
+        return None
+    real = os.path.realpath(call.image_dir)
+    if os.path.isdir(real) and vmm.has_state(Path(real)):
+        return real
+    import shutil
+
+    copy = ctx.store.run_path(_run_key(ctx, call.criu_pid)).with_suffix(".vmm")
+    copy.mkdir(mode=0o700, exist_ok=True)
+    shutil.copyfile(call.image_dir / vmm.STATE_FILE, copy / vmm.STATE_FILE)
+    return str(copy)
 
 
 def post_resume(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
@@ -263,7 +304,19 @@ def post_resume(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
         mapping = (progress["device_map"] if "device_map" in progress
                    else _plan(ctx, call, record, opts, data))
         procs = _restored_pids(ctx, init_pid, data)
-        result = ctx.engine.restore(procs, mapping)
+        vmm_dir = progress.get("vmm_dir")
+        before = bool(vmm_dir) and ctx.settings.vmm_restore_before_unlock
+        result = ctx.engine.restore(procs, mapping, unlock=not before)
+        if vmm_dir:
+            # The coordinator replays CUDA calls inside the workload: it needs
+            # the processes restored, and by default unlocked.
+            pairs = list(zip(procs, (p["nspid"] for p in data["processes"]), strict=True))
+            output = vmm.run_coordinator(ctx.host, ctx.settings.tool("vmm_coordinator"),
+                                         "restore", "", Path(vmm_dir), pairs,
+                                         ctx.settings.vmm_timeout_s)
+            ctx.log("vmm-restore", container=cid, pids=procs, output=output)
+            if before:
+                ctx.engine.unlock(procs)
     except CudahookError as exc:
         killed = fail_closed(ctx, init_pid)
         error = f"restore failed, container killed ({killed} processes): {exc}"

@@ -16,11 +16,16 @@ import stat
 SOCKET_NAME = re.compile(r"^cuda-vmm-([1-9][0-9]{0,9})\.sock$")
 
 
-def open_dir_nofollow(path: str) -> int | None:
-    """An fd on `path` if it is a real directory, reached without any symlink."""
+def open_dir_nofollow(path: str, base: str = "/") -> int | None:
+    """An fd on `path` (under `base`) if it is a real directory, reached without
+    any symlink. `base` itself is trusted: for a container it is
+    /proc/<pid>/root, which the kernel resolves to the container's root."""
     if not os.path.isabs(path):
         return None
-    fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    try:
+        fd = os.open(base, os.O_PATH | os.O_DIRECTORY)
+    except OSError:
+        return None
     try:
         for part in [p for p in path.split("/") if p]:
             if part in (".", ".."):
@@ -38,9 +43,9 @@ def open_dir_nofollow(path: str) -> int | None:
             os.close(fd)
 
 
-def list_sockets(path: str) -> dict[int, str]:
+def list_sockets(path: str, base: str = "/") -> dict[int, str]:
     """nspid -> name for every valid interposer socket in the directory."""
-    dfd = open_dir_nofollow(path)
+    dfd = open_dir_nofollow(path, base)
     if dfd is None:
         return {}
     try:
