@@ -91,6 +91,16 @@ class SimLab:
         return self.root / "bin" / "nvidia-smi"
 
     @property
+    def vmm_coordinator(self) -> Path:
+        return self.root / "bin" / "snapshot-cuda-vmm"
+
+    def vmm_calls(self) -> list[dict[str, Any]]:
+        path = self.root / "vmm-calls.log"
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+    @property
     def uuids(self) -> list[str]:
         return [g["uuid"] for g in self.config["gpus"]]
 
@@ -101,7 +111,8 @@ class SimLab:
         self.write_config()
         for name in ("nvidiactl", "nvidia-uvm", *(f"nvidia{i}" for i in range(len(self.uuids)))):
             (self.dev / name).touch()
-        for path, module in ((self.cuda_checkpoint, "tool"), (self.nvidia_smi, "smi")):
+        for path, module in ((self.cuda_checkpoint, "tool"), (self.nvidia_smi, "smi"),
+                             (self.vmm_coordinator, "vmm")):
             # -I -S: these run dozens of times per phase; skip site and user paths.
             path.write_text(
                 f"#!{self.python} -IS\n"
@@ -175,6 +186,8 @@ class SimLab:
         base = Settings(
             cuda_checkpoint=str(self.cuda_checkpoint),
             nvidia_smi=str(self.nvidia_smi),
+            vmm_coordinator=str(self.vmm_coordinator),
+            vmm_timeout_s=10.0,
             device_pattern=rf"^(/dev|{dev})/nvidia([0-9]+|ctl|-uvm|-uvm-tools)$",
             call_timeout_s=30.0,
             lock_timeout_ms=5000,

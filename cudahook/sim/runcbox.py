@@ -60,6 +60,8 @@ class RuncBox:
         oci_hooks: bool = True,
         action_script: bool = True,
         annotations: dict[str, str] | None = None,
+        snapshot_control: Path | None = None,
+        control_symlink: str | None = None,
     ) -> Path:
         """A bundle whose init runs the workloads (and `others`, shell commands)."""
         cmds = [self.workload_cmd(t, **o) for t, o in workloads] + list(others)
@@ -75,6 +77,8 @@ class RuncBox:
             f"NVIDIA_VISIBLE_DEVICES={','.join(uuids)}",
         ]
         binds = [(PKG_PARENT, GUEST_PKG, True), (str(self.lab.root), GUEST_SIM, False)]
+        if snapshot_control is not None:
+            binds.append((str(snapshot_control), "/snapshot-control", False))
         for node in sorted(p.name for p in self.lab.dev.iterdir()):
             binds.append((str(self.lab.dev / node), f"/dev/{node}", False))
         notes = dict(annotations or {})
@@ -87,8 +91,12 @@ class RuncBox:
                 "createRuntime": [{"path": hook, "args": ["cudahook-oci-hook", "createRuntime"]}],
                 "poststop": [{"path": hook, "args": ["cudahook-oci-hook", "poststop"]}],
             }
-        return make_bundle(self.work / name, ["/bin/sh", "-c", script], env=env, binds=binds,
-                           annotations=notes, hooks=hooks)
+        bundle = make_bundle(self.work / name, ["/bin/sh", "-c", script], env=env, binds=binds,
+                             annotations=notes, hooks=hooks)
+        if control_symlink is not None:
+            # The image itself makes /snapshot-control a symlink.
+            (bundle / "rootfs" / "snapshot-control").symlink_to(control_symlink)
+        return bundle
 
     # -- runc ------------------------------------------------------------------
 

@@ -74,6 +74,9 @@ class SimCuda:
         self.index = -1
         self.bandwidth = 0.0
         self.buffers: dict[str, int] = {}  # name -> device handle
+        self.vmm: set[str] = set()  # VMM mappings: cuda-checkpoint does not save these
+        self.vmm_pending: set[str] = set()  # dropped by a checkpoint, not yet replayed
+        self.vmm_wait_s = 5.0
         self.host_copy: dict[str, bytes] = {}  # name -> content while checkpointed
         self.lost: str | None = None
         self.restore_tid = 0
@@ -137,24 +140,94 @@ class SimCuda:
                 self.inflight -= 1
                 self.cond.notify_all()
 
-    def alloc(self, name: str, size: int, seed: int | None = None) -> None:
+    def alloc(self, name: str, size: int, seed: int | None = None, *, vmm: bool = False) -> None:
         msg: dict[str, Any] = {"op": "alloc", "size": size}
         if seed is not None:
             msg["seed"] = seed
         with self._work():
             reply, _ = self._call(msg)
         self.buffers[name] = int(reply["handle"])
+        if vmm:
+            self.vmm.add(name)
+
+    def _handle(self, name: str) -> int:
+        if name in self.vmm_pending:
+            # The shim holds the application's access to a VMM mapping until
+            # the coordinator has replayed it; if it never does, it is lost.
+            with self.cond:
+                self.cond.wait_for(lambda: name not in self.vmm_pending, self.vmm_wait_s)
+        try:
+            return self.buffers[name]
+        except KeyError:
+            raise CudaError(INVALID_VALUE, f"no device mapping for {name!r}") from None
 
     def incr(self, name: str, duration: float = 0.0) -> int:
         with self._work():
-            reply, _ = self._call({"op": "incr", "handle": self.buffers[name],
+            reply, _ = self._call({"op": "incr", "handle": self._handle(name),
                                    "duration": duration})
         return int(reply["value"])
 
     def digest(self, name: str) -> str:
+        self._handle(name)
         with self._work():
-            reply, _ = self._call({"op": "digest", "handle": self.buffers[name]})
+            reply, _ = self._call({"op": "digest", "handle": self._handle(name)})
         return str(reply["sha256"])
+
+    # -- the VMM interposer shim's side ----------------------------------------
+
+    def export_vmm(self) -> list[dict[str, Any]]:
+        out = []
+        for name in sorted(self.vmm & set(self.buffers)):
+            _, data = self._call({"op": "download", "handle": self.buffers[name]})
+            out.append({"name": name, "content": data.hex()})
+        return out
+
+    def import_vmm(self, mappings: list[dict[str, Any]]) -> None:
+        # The coordinator replays the allocations through the driver itself,
+        # whether or not the application's own CUDA calls are unlocked yet.
+        for m in mappings:
+            reply, _ = self._call({"op": "upload"}, bytes.fromhex(m["content"]))
+            with self.cond:
+                self.buffers[m["name"]] = int(reply["handle"])
+                self.vmm.add(m["name"])
+                self.vmm_pending.discard(m["name"])
+                self.cond.notify_all()
+
+    def serve_vmm(self, path: str) -> None:
+        listener = bind_unix(path)
+
+        def loop() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    time.sleep(0.01)
+                    continue
+                with conn:
+                    stream = conn.makefile("rwb")
+                    try:
+                        msg, _ = recv(stream)
+                        try:
+                            if msg.get("op") == "export":
+                                reply: dict[str, Any] = {"mappings": self.export_vmm()}
+                            elif msg.get("op") == "import":
+                                self.import_vmm(msg.get("mappings", []))
+                                reply = {}
+                            else:
+                                raise CudaError(INVALID_VALUE, f"unknown request {msg.get('op')!r}")
+                            reply["ok"] = True
+                        except (CudaError, GpuLost) as exc:
+                            reply = {"ok": False, "error": str(exc)}
+                        send(stream, reply)
+                    except (EOFError, OSError, ValueError):
+                        pass
+                    finally:
+                        # The socket's fd stays open while its file object
+                        # does; a leftover peer would make CRIU refuse the dump.
+                        with contextlib.suppress(OSError):
+                            stream.close()
+
+        threading.Thread(target=loop, name="vmm-shim", daemon=True).start()
 
     # -- the restore thread --------------------------------------------------
 
@@ -231,12 +304,16 @@ class SimCuda:
         copy: dict[str, bytes] = {}
         try:
             for name, handle in self.buffers.items():
+                if name in self.vmm:
+                    continue  # VMM mappings are the interposer's to save
                 _, data = self._call({"op": "download", "handle": handle})
                 copy[name] = data
                 self._transfer_cost(len(data))
         except GpuLost as exc:
             raise CudaError(UNKNOWN, str(exc)) from exc
         self.host_copy = copy
+        self.vmm_pending |= self.vmm & set(self.buffers)
+        self.buffers = {}
         self._release()  # the service frees our device memory with the connection
         with self.cond:
             self.state = CHECKPOINTED
@@ -266,7 +343,8 @@ class SimCuda:
             if isinstance(exc, CudaError):
                 raise
             raise CudaError(UNKNOWN, str(exc)) from exc
-        self.buffers, self.host_copy = handles, {}
+        self.buffers.update(handles)
+        self.host_copy = {}
         with self.cond:
             self.state = LOCKED
 

@@ -43,6 +43,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kernel-ms", type=float, default=0.0, help="duration of each kernel")
     p.add_argument("--check-every", type=int, default=10, help="memory check period (steps)")
     p.add_argument("--procs", type=int, default=1, help="CUDA processes (forked workers)")
+    p.add_argument("--vmm", action="store_true",
+                   help="run the CUDA VMM interposer shim and hold VMM mappings")
+    p.add_argument("--vmm-kib", type=int, default=64)
+    p.add_argument("--vmm-dir", default=os.environ.get("CUDA_SIM_VMM_DIR", "/snapshot-control"))
+    p.add_argument("--vmm-decoy", choices=("symlink", "fifo", "file"),
+                   help="put this at the shim's socket path instead of a socket")
     p.add_argument("--nvml-only", action="store_true",
                    help="open the device nodes like an NVML monitor, never init CUDA")
     return p.parse_args(argv)
@@ -108,6 +114,12 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
     cuda.init()
     cuda.alloc("data", size, seed=args.seed)
     cuda.alloc("counter", 8)
+    vmm_expected = None
+    if args.vmm or args.vmm_decoy:
+        size = args.vmm_kib << 10
+        cuda.alloc("vmm", size, seed=args.seed + 1000, vmm=True)
+        vmm_expected = hashlib.sha256(pattern(args.seed + 1000, size)).hexdigest()
+        start_shim(cuda, args)
     rep.write(mode="cuda", state="running", counter=0, checks=0, intact=True,
               gpu=cuda.gpu_uuid, mib=args.mib, restore_tid=cuda.restore_tid)
     last = 0
@@ -123,6 +135,9 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
                 if cuda.digest("data") != expected:
                     rep.fields["intact"] = False
                     rep.error("device memory content changed")
+                if vmm_expected and cuda.digest("vmm") != vmm_expected:
+                    rep.fields["intact"] = False
+                    rep.error("VMM mapping content changed")
                 rep.fields["checks"] = rep.fields.get("checks", 0) + 1
             rep.write(counter=value, gpu=cuda.gpu_uuid, state="running")
         except (GpuLost, CudaError) as exc:
@@ -132,6 +147,19 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
             while True:  # a real program would crash or hang here; stay visible
                 time.sleep(3600)
         time.sleep(args.interval_ms / 1000)
+
+
+def start_shim(cuda: SimCuda, args: argparse.Namespace) -> None:
+    path = os.path.join(args.vmm_dir, f"cuda-vmm-{os.getpid()}.sock")
+    if args.vmm_decoy == "symlink":
+        # Points at a real socket elsewhere: following it would reach the GPU service.
+        os.symlink(cuda.gpu_socket, path)
+    elif args.vmm_decoy == "fifo":
+        os.mkfifo(path)
+    elif args.vmm_decoy == "file":
+        Path(path).write_text("not a socket\n")
+    else:
+        cuda.serve_vmm(path)
 
 
 def main(argv: list[str]) -> int:
