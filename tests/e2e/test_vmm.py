@@ -1,0 +1,192 @@
+"""The CUDA VMM interposer step, end to end through runc and CRIU."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cudahook import manifest
+
+from .conftest import needs_runc, tree_digest
+
+pytestmark = needs_runc
+
+TAGS = ["mp.0", "mp.1", "mp.2"]
+
+
+def start(env, tmp_path: Path, *, vmm=True, control=True, name="b1", **kw):  # type: ignore[no-untyped-def]
+    ctl = tmp_path / f"control-{name}"
+    ctl.mkdir(exist_ok=True)
+    workloads = kw.pop("workloads", [("mp", {"mib": 1, "procs": 3, "vmm": vmm})])
+    bundle = env.box.bundle(name, workloads, snapshot_control=ctl if control else None, **kw)
+    cid = env.cid()
+    r = env.box.run(cid, bundle)
+    assert r.returncode == 0, r.stderr
+    tags = [f"{w[0]}.{i}" for w in workloads for i in range(w[1].get("procs", 1))] \
+        if any(w[1].get("procs", 1) > 1 for w in workloads) else [w[0] for w in workloads]
+    env.wait_running(tags, steps=3)
+    return cid, bundle, ctl, tags
+
+
+def test_all_shims_mappings_survive(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, ctl, tags = start(env, tmp_path)
+    assert sorted(p.name for p in ctl.iterdir()) == sorted(
+        f"cuda-vmm-{env.lab.status(t)['pid']}.sock" for t in tags)
+    image = tmp_path / "img"
+    r = env.box.checkpoint(cid, image)
+    assert r.returncode == 0, r.stderr
+    assert (image / "cuda-vmm.state").is_file()
+    assert manifest.read(image)["vmm"] is True
+    frozen = env.frozen(tags)
+    r = env.box.restore(cid, bundle, image)
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)  # includes the VMM mapping's content check
+    calls = env.lab.vmm_calls()
+    assert [c["op"] for c in calls] == ["prepare", "restore"]
+    assert calls[0]["proc_root"] == "/proc" and calls[1]["proc_root"] == ""
+    assert sorted(ns for _, ns in calls[0]["processes"]) == sorted(
+        env.lab.status(t)["pid"] for t in tags)
+
+
+def test_without_the_coordinator_the_mappings_are_lost(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """What the VMM step is for: cuda-checkpoint alone drops VMM mappings."""
+    env = make_env()
+    cid, bundle, _, tags = start(env, tmp_path)
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    (image / "cuda-vmm.state").unlink()  # as if the coordinator had saved nothing
+    env.frozen(tags)
+    assert env.box.restore(cid, bundle, image).returncode == 0
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare"]  # not run at restore
+    deadline = time.monotonic() + 20
+    while not all("no device mapping for 'vmm'" in " ".join(env.lab.status(t)["errors"])
+                  for t in tags):
+        assert time.monotonic() < deadline, [env.lab.status(t) for t in tags]
+        time.sleep(0.1)
+    assert not any(env.lab.status(t)["intact"] for t in tags)
+
+
+def test_no_sockets_plain_path(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, _, tags = start(env, tmp_path, vmm=False)
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    assert manifest.read(image)["vmm"] is False
+    frozen = env.frozen(tags)
+    assert env.box.restore(cid, bundle, image).returncode == 0
+    env.wait_running(tags, frozen)
+    assert env.lab.vmm_calls() == []
+
+
+def _refused(env, tmp_path, cid, tags, text: str) -> None:  # type: ignore[no-untyped-def]
+    before = env.counters(tags)
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    err = env.wait_event("pre-dump", lambda e: "error" in e)["error"]
+    assert text in err
+    assert env.events("checkpoint") == []  # nothing was locked
+    env.wait_running(tags, before)
+    assert env.box.state(cid)["status"] == "running"
+
+
+def test_one_of_three_without_shim_is_refused(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    workloads = [("a", {"mib": 1, "vmm": True}), ("b", {"mib": 1, "vmm": True}),
+                 ("c", {"mib": 1})]
+    cid, _, _, tags = start(env, tmp_path, workloads=workloads)
+    nspid = env.lab.status("c")["pid"]
+    _refused(env, tmp_path, cid, tags, f"namespace pid {nspid}")
+    assert env.lab.vmm_calls() == []
+
+
+@pytest.mark.parametrize("decoy", ["symlink", "fifo", "file"])
+def test_decoys_count_as_missing_and_are_never_followed(make_env, tmp_path, decoy: str) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    # A host socket the container's symlink points at: no hook may reach it.
+    trap_path = tmp_path / "trap.sock"
+    trap = socket.socket(socket.AF_UNIX)
+    trap.bind(str(trap_path))
+    trap.listen(4)
+    trap.settimeout(0.2)
+    hits: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                trap.accept()[0].close()
+                hits.append(1)
+            except OSError:
+                continue
+
+    threading.Thread(target=watch, daemon=True).start()
+    workloads = [("a", {"mib": 1, "vmm": True}), ("b", {"mib": 1, "vmm": True}),
+                 ("c", {"mib": 1, "vmm_decoy": decoy})]
+    try:
+        if decoy == "symlink":
+            env.lab.root.joinpath("trap-target").write_text(str(trap_path))
+        cid, _, ctl, tags = start(env, tmp_path, workloads=workloads)
+        if decoy == "symlink":  # re-point the decoy at the host trap
+            link = ctl / f"cuda-vmm-{env.lab.status('c')['pid']}.sock"
+            link.unlink()
+            link.symlink_to(trap_path)
+        _refused(env, tmp_path, cid, tags, f"namespace pid {env.lab.status('c')['pid']}")
+    finally:
+        stop.set()
+        trap.close()
+    assert hits == []
+    assert env.lab.vmm_calls() == []
+
+
+def test_symlinked_control_dir_counts_as_no_sockets(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, _, _, _ = start(env, tmp_path, control=False, control_symlink="/tmp", others=[])
+    assert env.box.checkpoint(cid, tmp_path / "img").returncode == 0
+    assert manifest.read(tmp_path / "img")["vmm"] is False
+    assert env.lab.vmm_calls() == []
+
+
+def test_coordinator_failure_at_prepare_rolls_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, _, _, tags = start(env, tmp_path)
+    env.lab.fault("vmm-prepare", message="shim did not answer")
+    _refused(env, tmp_path, cid, tags, "shim did not answer")
+
+
+def test_coordinator_failure_at_restore_fails_closed(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, _, tags = start(env, tmp_path)
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    frozen = env.frozen(tags)
+    digest = tree_digest(image)
+    env.lab.fault("vmm-restore", message="replay failed")
+    env.box.restore(cid, bundle, image)
+    deadline = time.monotonic() + 15
+    while (st := env.box.state(cid)) is not None and st["status"] == "running":
+        assert time.monotonic() < deadline, "a half-restored container was left running"
+        time.sleep(0.1)
+    err = env.wait_event("restore", lambda e: "error" in e)["error"]
+    assert "replay failed" in err and "container killed" in err
+    assert tree_digest(image) == digest
+    env.lab.clear_faults()
+    env.box.delete(cid)
+    assert env.box.restore(cid, bundle, image).returncode == 0
+    env.wait_running(tags, frozen)
+
+
+def test_coordinator_before_unlock_option(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, _, tags = start(
+        env, tmp_path, annotations={"cudahook.io/vmm-restore-before-unlock": "true"})
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    frozen = env.frozen(tags)
+    assert env.box.restore(cid, bundle, image).returncode == 0
+    env.wait_running(tags, frozen)
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
