@@ -53,6 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pid", type=int, action="append", required=True)
     sub.add_parser("gpus", help="the GPUs nvidia-smi reports")
     sub.add_parser("features", help="what the installed cuda-checkpoint supports")
+    st = sub.add_parser("status", help="GPU containers, their CUDA processes, last results")
+    st.add_argument("--manifest", metavar="IMAGE_DIR",
+                    help="show a checkpoint's per-process timeline from its manifest")
+    st.add_argument("--no-live", action="store_true",
+                    help="do not query process states (no cuda-checkpoint calls)")
+    doc = sub.add_parser("doctor", help="check this node and explain problems")
+    doc.add_argument("--root", default="/", help=argparse.SUPPRESS)
+    cf = sub.add_parser("configure", help="register cudahook with a container runtime")
+    cf.add_argument("--runtime", required=True,
+                    choices=("runc", "containerd", "docker", "podman", "crio"))
+    cf.add_argument("--dry-run", action="store_true", help="show the changes, make none")
+    cf.add_argument("--revert", action="store_true", help="undo this runtime's registration")
+    cf.add_argument("--default", action="store_true", help="docker: make it the default runtime")
+    cf.add_argument("--hooks-dir", help="where the hook executables are "
+                    "(default: PREFIX/libexec of this installation)")
+    cf.add_argument("--root", default="/", help=argparse.SUPPRESS)
+    dm = sub.add_parser("demo", help="checkpoint and restore a simulated GPU container")
+    dm.add_argument("--processes", action="store_true",
+                    help="the process-level demo (no runc/CRIU needed)")
     return p
 
 
@@ -77,6 +96,24 @@ def run(args: argparse.Namespace) -> int:
     from .backends import make_backend
     from .host import Host
 
+    if args.cmd == "configure":
+        from pathlib import Path
+
+        from .configure import ConfigureError, configure
+
+        hooks_dir = Path(args.hooks_dir) if args.hooks_dir else Path(sys.prefix).parent / "libexec"
+        try:
+            lines = configure(args.runtime, hooks_dir, root=args.root, default=args.default,
+                              dry_run=args.dry_run, revert=args.revert)
+        except ConfigureError as exc:
+            raise UsageError(str(exc)) from None
+        print("\n".join(lines))
+        return Exit.OK
+    if args.cmd == "demo":
+        from .demo import main as demo
+
+        return demo(processes_only=args.processes)
+
     settings = config.load(args.config)
     if getattr(args, "sequential", None):
         settings = settings.with_overrides(sequential=True)
@@ -91,6 +128,25 @@ def run(args: argparse.Namespace) -> int:
         _emit(args, [g.__dict__ for g in gpus],
               "\n".join(f"{g.index}  {g.uuid}  {g.name}  {g.memory_mib} MiB  driver "
                         f"{g.driver_version}" for g in gpus))
+        return Exit.OK
+
+    if args.cmd in ("status", "doctor"):
+        from .context import Context
+
+        ctx = Context(settings, host)
+        if args.cmd == "doctor":
+            from . import doctor
+
+            checks = doctor.run_checks(ctx, root=args.root)
+            _emit(args, doctor.as_json(checks), doctor.render(checks))
+            return Exit.FAILED if any(c.status == "fail" for c in checks) else Exit.OK
+        from . import status
+
+        if args.manifest:
+            _emit(args, _manifest_json(args.manifest), status.manifest_chart(args.manifest))
+            return Exit.OK
+        data = status.gather(ctx, live=not args.no_live)
+        _emit(args, data, status.render(data))
         return Exit.OK
 
     backend = make_backend(settings, host)
@@ -147,6 +203,14 @@ def run(args: argparse.Namespace) -> int:
         result = engine.restore(resolve(False), device_map)
     _emit(args, result.to_dict(), _summary(result))
     return Exit.OK
+
+
+def _manifest_json(image_dir: str) -> Any:
+    from pathlib import Path
+
+    from .manifest import read
+
+    return read(Path(image_dir))
 
 
 def _device_map(args: argparse.Namespace) -> dict[str, str] | None:

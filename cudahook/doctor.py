@@ -1,0 +1,181 @@
+"""`cudahook doctor`: check the node and explain what is wrong.
+
+Each check says ok, warn or fail with a reason and, when not ok, what to do.
+A fail is blocking: checkpoints would not work, or would not be safe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .context import Context
+from .journal import Journal
+
+CRIU_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu",
+                    "/usr/lib/x86_64-linux-gnu/criu")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail
+    detail: str
+    hint: str = ""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    return tuple(int(x) for x in m.groups() if x is not None) if m else ()
+
+
+def run_checks(ctx: Context, root: str = "/") -> list[Check]:
+    checks: list[Check] = []
+    host = ctx.host
+    j = Journal(root)
+
+    runc = shutil.which("runc")
+    if runc:
+        r = host.run([runc, "--version"], 10)
+        checks.append(Check("runc", "ok", r.stdout.splitlines()[0] if r.ok else r.stderr.strip()))
+    else:
+        checks.append(Check("runc", "warn", "runc not found on PATH",
+                            "install runc (containerd and docker ship or need one)"))
+
+    criu = shutil.which("criu")
+    if not criu:
+        checks.append(Check("criu", "fail", "criu not found on PATH",
+                            "install CRIU >= 4.0, e.g. ./install.sh --with-criu"))
+    else:
+        r = host.run([criu, "--version"], 10)
+        version = _version(r.stdout)
+        if version < (4, 0):
+            checks.append(Check("criu", "fail", f"CRIU {'.'.join(map(str, version)) or '?'}",
+                                "CRIU >= 4.0 is needed: ./install.sh --with-criu"))
+        else:
+            checks.append(Check("criu", "ok", f"CRIU {'.'.join(map(str, version))} at {criu}"))
+        r = host.run([criu, "check"], 60)
+        good = r.ok and "Looks good" in (r.stdout + r.stderr)
+        checks.append(Check("criu check", "ok" if good else "fail",
+                            "Looks good" if good else (r.stderr.strip().splitlines() or ["failed"])[-1],
+                            "" if good else "run `criu check` and fix what it reports"))
+        if (3, 19) <= version < (4, 2):
+            checks.append(Check("criu action scripts", "warn",
+                                f"CRIU {'.'.join(map(str, version))} runs every action script "
+                                "twice (CRIU issue #2727)",
+                                "nothing to do: cudahook runs each action once per CRIU run"))
+    plugins = [str(p) for d in CRIU_PLUGIN_DIRS for p in Path(root, d.lstrip("/")).glob("cuda_plugin.so")]
+    if plugins:
+        checks.append(Check("criu cuda plugin", "fail", f"CRIU's own CUDA plugin is installed: "
+                            f"{', '.join(plugins)}",
+                            "it would lock and checkpoint the same processes as cudahook: remove "
+                            "it (or the criu-cuda package), or uninstall cudahook"))
+    else:
+        checks.append(Check("criu cuda plugin", "ok", "not installed (no conflict)"))
+
+    tool = ctx.settings.tool("cuda_checkpoint")
+    if not os.access(tool, os.X_OK):
+        checks.append(Check("cuda-checkpoint", "fail", f"not found at {tool}",
+                            "install the NVIDIA driver R550+ (it ships cuda-checkpoint) or set "
+                            "cuda_checkpoint in /etc/cudahook/config.yaml"))
+    else:
+        try:
+            feats = ctx.backend.features
+            level = "ok" if feats.actions else "warn"
+            checks.append(Check("cuda-checkpoint", level, f"{tool}: {feats.describe()}",
+                                "" if feats.actions else "driver R555+ adds lock timeouts and "
+                                "state queries; R580+ GPU remapping"))
+        except Exception as exc:
+            checks.append(Check("cuda-checkpoint", "fail", str(exc)))
+
+    try:
+        from .gpus import query_gpus
+
+        gpus = query_gpus(host, ctx.settings)
+        drivers = sorted({g.driver_version for g in gpus})
+        checks.append(Check("driver", "ok" if gpus else "warn",
+                            f"{len(gpus)} GPU(s), driver {', '.join(drivers) or '?'}"))
+        off = [str(g.index) for g in gpus if not g.persistence]
+        checks.append(Check("persistence mode", "warn" if off else "ok",
+                            f"off on GPU {', '.join(off)}" if off else "enabled on every GPU",
+                            "nvidia-smi -pm 1 (or nvidia-persistenced) keeps the driver "
+                            "initialised between checkpoints" if off else ""))
+    except Exception as exc:
+        checks.append(Check("driver", "warn", str(exc), "is the NVIDIA driver installed?"))
+
+    checks += _registrations(j)
+    checks.append(_state_dir(ctx))
+    return checks
+
+
+def _registrations(j: Journal) -> list[Check]:
+    out = []
+    conf = j.at("/etc/criu/runc.conf")
+    lines = conf.read_text().splitlines() if conf.exists() else []
+    scripts = [x.split(None, 1)[1] for x in lines if x.startswith("action-script ")]
+    ours = [s for s in scripts if s.endswith("cudahook-criu-action")]
+    if ours and all(os.access(s, os.X_OK) for s in ours):
+        out.append(Check("runc/criu registration", "ok", f"action-script {ours[0]}"))
+    else:
+        out.append(Check("runc/criu registration", "fail",
+                         "no cudahook action-script in /etc/criu/runc.conf" if not ours
+                         else f"registered script is not executable: {ours[0]}",
+                         "cudahook configure --runtime runc"))
+    daemon = j.at("/etc/docker/daemon.json")
+    if daemon.exists():
+        try:
+            cfg: dict[str, Any] = json.loads(daemon.read_text())
+            has = "cudahook" in (cfg.get("runtimes") or {})
+            exp = bool(cfg.get("experimental"))
+            level = "ok" if has and exp else "warn"
+            out.append(Check("docker registration", level,
+                             f"runtime {'registered' if has else 'not registered'}, experimental "
+                             f"{'on' if exp else 'off'}",
+                             "" if level == "ok" else "cudahook configure --runtime docker; "
+                             "docker checkpoint needs \"experimental\": true"))
+        except ValueError:
+            out.append(Check("docker registration", "warn", f"{daemon} is not valid JSON"))
+    dropin = j.at("/etc/systemd/system/containerd.service.d/50-cudahook.conf")
+    if shutil.which("containerd") or dropin.exists():
+        out.append(Check("containerd registration", "ok" if dropin.exists() else "warn",
+                         "runc wrapper on containerd's PATH" if dropin.exists() else "not registered",
+                         "" if dropin.exists() else "cudahook configure --runtime containerd"))
+    hooks_d = j.at("/usr/share/containers/oci/hooks.d/50-cudahook-create.json")
+    if shutil.which("podman") or shutil.which("crio") or hooks_d.exists():
+        out.append(Check("podman/CRI-O registration", "ok" if hooks_d.exists() else "warn",
+                         "hooks.d definitions present" if hooks_d.exists() else "not registered",
+                         "" if hooks_d.exists() else "cudahook configure --runtime podman"))
+    return out
+
+
+def _state_dir(ctx: Context) -> Check:
+    path = Path(ctx.settings.state_dir)
+    if not path.exists():
+        return Check("state dir", "ok", f"{path} not created yet (made 0700 on first use)")
+    st = path.stat()
+    if st.st_uid != 0 or stat.S_IMODE(st.st_mode) & 0o077:
+        return Check("state dir", "fail", f"{path} is mode {stat.S_IMODE(st.st_mode):o}, "
+                     f"owner uid {st.st_uid}", f"chown root {path} && chmod 700 {path}")
+    return Check("state dir", "ok", f"{path} root-only")
+
+
+def render(checks: list[Check]) -> str:
+    mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
+    lines = []
+    for c in checks:
+        lines.append(f"[{mark[c.status]}] {c.name}: {c.detail}")
+        if c.hint:
+            lines.append(f"       -> {c.hint}")
+    fails = sum(c.status == "fail" for c in checks)
+    lines.append(f"{fails} blocking problem(s)" if fails else "no blocking problems")
+    return "\n".join(lines)
+
+
+def as_json(checks: list[Check]) -> list[dict[str, str]]:
+    return [asdict(c) for c in checks]
