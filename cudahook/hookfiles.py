@@ -8,10 +8,11 @@ path and, when given, the configuration file to use.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
-NAMES = ("cudahook-oci-hook", "cudahook-criu-action")
+NAMES = ("cudahook-oci-hook", "cudahook-criu-action", "cudahook-runtime")
 
 
 def templates_dir() -> Path:
@@ -21,27 +22,51 @@ def templates_dir() -> Path:
     return Path(sys.prefix) / "share" / "cudahook" / "hooks"
 
 
-def render(name: str, python: str, config: str | None = None) -> str:
+def render(name: str, python: str, config: str | None = None,
+           values: dict[str, str] | None = None) -> str:
+    """The template with its default lines replaced: PYTHON=, and any NAME= in
+    `values` (the wrapper's RUNC= and HOOK=)."""
     out = []
     for line in (templates_dir() / name).read_text().splitlines():
+        key = line.split("=", 1)[0]
+        if values and "=" in line and key in values and key.isupper():
+            out.append(f"{key}={shlex.quote(values[key])}")
+            continue
         if line.startswith("PYTHON="):
-            out.append(f"PYTHON={python}")
+            # Quoted: a path with a space (or a shell character) must stay one word.
+            out.append(f"PYTHON={shlex.quote(python)}")
             if config:
-                out.append(f"CUDAHOOK_CONFIG={config}; export CUDAHOOK_CONFIG")
+                out.append(f"CUDAHOOK_CONFIG={shlex.quote(config)}; export CUDAHOOK_CONFIG")
             continue
         out.append(line)
     return "\n".join(out) + "\n"
 
 
+def real_runc(exclude: Path | None = None) -> str:
+    """The runc the wrapper execs: first on PATH that is not a cudahook wrapper."""
+    for d in [*os.environ.get("PATH", "/usr/sbin:/usr/bin").split(os.pathsep), "/usr/sbin"]:
+        cand = Path(d, "runc")
+        if not (cand.is_file() and os.access(cand, os.X_OK)):
+            continue
+        if exclude and cand.resolve().parent == exclude.resolve():
+            continue
+        if b"cudahook" in cand.read_bytes()[:4096]:
+            continue
+        return str(cand)
+    return "/usr/sbin/runc"
+
+
 def install(dest: str | os.PathLike[str], python: str = sys.executable,
-            config: str | None = None) -> dict[str, Path]:
+            config: str | None = None, runc: str | None = None) -> dict[str, Path]:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    values = {"RUNC": runc or real_runc(exclude=dest),
+              "HOOK": str(dest / "cudahook-oci-hook")}
     paths = {}
     for name in NAMES:
         path = dest / name
         tmp = dest / f".{name}.tmp"
-        tmp.write_text(render(name, python, config))
+        tmp.write_text(render(name, python, config, values))
         tmp.chmod(0o755)
         os.replace(tmp, path)
         paths[name] = path
