@@ -58,7 +58,7 @@ class RuncBox:
         visible: Sequence[str] | None = None,
         others: Sequence[str] = (),
         oci_hooks: bool = True,
-        action_script: bool = True,
+        action_script: bool | str = True,  # "system": whatever /etc/criu/runc.conf says
         annotations: dict[str, str] | None = None,
         snapshot_control: Path | None = None,
         control_symlink: str | None = None,
@@ -83,7 +83,9 @@ class RuncBox:
             binds.append((str(self.lab.dev / node), f"/dev/{node}", False))
         notes = dict(annotations or {})
         # runc hands CRIU /etc/criu/runc.conf unless this names another file ("" = none).
-        notes.setdefault("org.criu.config", str(self.criu_conf) if action_script else "")
+        if action_script != "system":
+            notes.setdefault("org.criu.config",
+                             str(self.criu_conf) if action_script and self.hooks_dir else "")
         hooks = None
         if oci_hooks and self.hooks_dir is not None:
             hook = str(self.hooks_dir / "cudahook-oci-hook")
