@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import Settings, validate
-from .errors import UsageError
+from .errors import ConfigError, DeviceMapError, UsageError
 
 PREFIX = "cudahook.io/"
 
@@ -32,7 +32,33 @@ class Options:
             changes["lock_timeout_ms"] = self.lock_timeout_ms
         if self.call_timeout_s is not None:
             changes["call_timeout_s"] = self.call_timeout_s
+        if self.vmm_restore_before_unlock is not None:
+            changes["vmm_restore_before_unlock"] = self.vmm_restore_before_unlock
         return settings.with_overrides(**changes) if changes else settings
+
+
+def _known() -> list[str]:
+    import json
+
+    from .config import config_dir
+
+    return list(json.loads((config_dir() / "annotations.schema.json").read_text())["properties"])
+
+
+_SETTING = {"lock-timeout-ms": ("lock_timeout_ms", int), "call-timeout-s": ("call_timeout_s", float)}
+
+
+def _check_limits(raw: dict[str, str]) -> None:
+    values = {name: conv(raw[k]) for k, (name, conv) in _SETTING.items() if k in raw}
+    if not values:
+        return
+    try:
+        validate(values, "config.schema.json", "annotation")
+    except ConfigError as exc:
+        text = str(exc)
+        for k, (name, _) in _SETTING.items():
+            text = text.replace(f"annotation: {name}:", f"annotation {PREFIX}{k}:", 1)
+        raise UsageError(text) from None
 
 
 def ours(annotations: dict[str, str] | None) -> dict[str, str]:
@@ -43,6 +69,17 @@ def parse(annotations: dict[str, str] | None) -> Options:
     raw = ours(annotations)
     if not raw:
         return Options()
+    # Name an unknown key in full; the schema would only say "(top level)".
+    known = _known()
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise UsageError(f"unknown annotation {PREFIX}{unknown[0]} "
+                         f"(known: {', '.join(PREFIX + k for k in known)})")
+    # The schema's patterns end in "$", which Python's re (unlike JSON Schema's
+    # ECMA dialect) also matches before a trailing newline: refuse such values here.
+    for k, v in raw.items():
+        if isinstance(v, str) and not v.isprintable():
+            raise UsageError(f"annotation {PREFIX}{k}: {v!r} holds a control character")
     try:
         validate(raw, "annotations.schema.json", "annotation")
     except Exception as exc:  # ConfigError, reworded for where the value came from
@@ -50,7 +87,13 @@ def parse(annotations: dict[str, str] | None) -> Options:
     if "device-map" in raw:
         from .devicemap import parse_device_map
 
-        parse_device_map(raw["device-map"])
+        try:
+            parse_device_map(raw["device-map"])
+        except DeviceMapError as exc:  # the pattern lets e.g. "GPU-----..." or duplicates through
+            raise UsageError(f"annotation {PREFIX}device-map: {exc}") from None
+    # The patterns allow values the configuration schema rejects (a call
+    # timeout of 0, a lock timeout past its maximum): hold them to the same limits.
+    _check_limits(raw)
     flag = {"true": True, "false": False}
     return Options(
         enabled=flag.get(raw.get("enabled", "")),

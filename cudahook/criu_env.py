@@ -31,7 +31,8 @@ def from_env(env: Mapping[str, str] | None = None, criu_pid: int | None = None) 
         raise UsageError("CRTOOLS_SCRIPT_ACTION is not set: run this as a CRIU action script")
     image = env.get("CRTOOLS_IMAGE_DIR") or None
     pid_text = env.get("CRTOOLS_INIT_PID", "")
-    if pid_text and not pid_text.isdigit():
+    # isascii: str.isdigit() accepts "²", which int() then rejects.
+    if pid_text and not (pid_text.isascii() and pid_text.isdigit()):
         raise UsageError(f"CRTOOLS_INIT_PID is not a PID: {pid_text!r}")
     return CriuCall(
         action=action,

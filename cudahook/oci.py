@@ -29,6 +29,9 @@ def read_state(text: str) -> dict[str, Any]:
         state = json.loads(text)
     except ValueError as exc:
         raise UsageError(f"container state on stdin is not JSON: {exc.msg}") from None
+    except RecursionError:
+        # Deeply nested input fits in MAX_STATE but overflows the decoder.
+        raise UsageError("container state on stdin is not JSON: nested too deeply") from None
     if not isinstance(state, dict):
         raise UsageError("container state on stdin is not a JSON object")
     for key in ("id", "bundle"):
@@ -81,14 +84,21 @@ def read_bundle(bundle: str) -> BundleInfo:
         raise UsageError(f"{path}: unreadable ({exc})") from None
     if not isinstance(cfg, dict):
         raise UsageError(f"{path}: not a JSON object")
-    info = BundleInfo(annotations=_str_map(cfg.get("annotations")))
-    env = (cfg.get("process") or {}).get("env") or []
-    info.visible = visible_devices(env, info.annotations, (cfg.get("linux") or {}).get("devices"))
-    for m in cfg.get("mounts") or []:
-        if isinstance(m, dict) and m.get("destination") == SNAPSHOT_CONTROL:
-            info.snapshot_control = m.get("source")
-    root = (cfg.get("root") or {}).get("path", "")
-    info.root = root if os.path.isabs(root) else str(Path(bundle) / root)
+    try:
+        info = BundleInfo(annotations=_str_map(cfg.get("annotations")))
+        env = (cfg.get("process") or {}).get("env") or []
+        info.visible = visible_devices(env, info.annotations,
+                                       (cfg.get("linux") or {}).get("devices"))
+        for m in cfg.get("mounts") or []:
+            if isinstance(m, dict) and m.get("destination") == SNAPSHOT_CONTROL:
+                info.snapshot_control = m.get("source")
+        root = (cfg.get("root") or {}).get("path", "")
+        info.root = root if os.path.isabs(root) else str(Path(bundle) / root)
+    except (AttributeError, TypeError) as exc:
+        # A section of the wrong type ("process": "x") must be one line, not a traceback.
+        raise UsageError(f"{path}: malformed ({exc})") from None
+    if info.snapshot_control is not None and not isinstance(info.snapshot_control, str):
+        raise UsageError(f"{path}: mount {SNAPSHOT_CONTROL} has no source path")
     return info
 
 
@@ -106,10 +116,24 @@ def visible_devices(env: list[str], annotations: dict[str, str], devices: Any) -
             if value in ("", "void", "none"):
                 return []
             return [v.strip() for v in value.split(",") if v.strip()]
-    cdi = [v.split("=", 1)[1] for k, v in annotations.items()
-           if k.startswith("cdi.k8s.io/") and v.startswith("nvidia.com/gpu=")]
+    # A CDI annotation's value is a comma-separated list of fully qualified
+    # names (vendor/class=name, as CDI's UpdateAnnotations writes it), possibly
+    # of several vendors; a bare name after nvidia.com/gpu=... continues that
+    # list (the short form "nvidia.com/gpu=0,1").
+    cdi: list[str] = []
+    for k, v in annotations.items():
+        if not k.startswith("cdi.k8s.io/"):
+            continue
+        ours = False
+        for item in (x.strip() for x in v.split(",")):
+            if "=" in item:
+                kind, _, name = item.partition("=")
+                ours = kind.strip() == "nvidia.com/gpu"
+                item = name.strip()
+            if ours and item:
+                cdi.append(item)
     if cdi:
-        return [x.strip() for v in cdi for x in v.split(",") if x.strip()]
+        return cdi
     found = []
     for d in devices or []:
         m = _DEVICE.match(str((d or {}).get("path", ""))) if isinstance(d, dict) else None

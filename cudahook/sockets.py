@@ -13,6 +13,8 @@ import os
 import re
 import stat
 
+# Used with fullmatch: "$" alone also matches before a trailing newline, and a
+# container could name a socket "cuda-vmm-7.sock\n".
 SOCKET_NAME = re.compile(r"^cuda-vmm-([1-9][0-9]{0,9})\.sock$")
 
 
@@ -51,7 +53,7 @@ def list_sockets(path: str, base: str = "/") -> dict[int, str]:
     try:
         found = {}
         for name in os.listdir(f"/proc/self/fd/{dfd}"):
-            m = SOCKET_NAME.match(name)
+            m = SOCKET_NAME.fullmatch(name)
             if not m:
                 continue
             try:
@@ -72,7 +74,7 @@ def remove_stale_sockets(path: str) -> int:
     try:
         removed = 0
         for name in os.listdir(f"/proc/self/fd/{dfd}"):
-            if not SOCKET_NAME.match(name):
+            if not SOCKET_NAME.fullmatch(name):
                 continue
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)

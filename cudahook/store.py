@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,17 +22,23 @@ from typing import Any
 
 from .errors import UsageError
 
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,255}$")
+# At most 250 characters: "<id>.json" must fit NAME_MAX (255); a longer id
+# used to end in an OSError traceback (ENAMETOOLONG) instead of a clear error.
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,249}$")
 
 
 def check_id(container_id: str) -> str:
-    if not _ID.match(container_id):
+    # fullmatch: with match, "$" also accepts a trailing newline ("abc\n").
+    if not isinstance(container_id, str) or not _ID.fullmatch(container_id):
         raise UsageError(f"invalid container id {container_id!r}")
     return container_id
 
 
 def write_json_atomic(path: Path, data: Any, mode: int = 0o600) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Unique per thread too: two threads of one process sharing a temp name
+    # would write into each other's file (and one os.replace would fail).
+    # The name is cut so that the temp name fits NAME_MAX as well.
+    tmp = path.with_name(f".{path.name[:200]}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
         with os.fdopen(fd, "w") as f:
