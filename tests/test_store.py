@@ -1,0 +1,306 @@
+"""store: private, atomic little JSON files; per-container locks."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cudahook.errors import UsageError
+from cudahook.store import Store, check_id, read_json, write_json_atomic
+
+PKG = str(Path(__file__).resolve().parent.parent)
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def test_files_are_0600_and_dirs_0700(tmp_path: Path) -> None:
+    root = tmp_path / "state"
+    s = Store(root)
+    s.update("c1", pid=1)
+    s.remember("c1", "checkpoint", {"ok": True})
+    s.run_path("123-456").write_text("{}")
+    assert mode(root) == 0o700
+    for d in ("containers", "history", "runs"):
+        assert mode(root / d) == 0o700, d
+    for f in ("containers/c1.json", "containers/c1.lock", "history/c1.json"):
+        assert mode(root / f) == 0o600, f
+
+
+def test_root_made_private_even_if_it_existed(tmp_path: Path) -> None:
+    root = tmp_path / "state"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    Store(root).update("c", pid=1)
+    assert mode(root) == 0o700
+
+
+def test_write_json_atomic_mode_and_no_temp_left(tmp_path: Path) -> None:
+    path = tmp_path / "f.json"
+    for i in range(5):
+        write_json_atomic(path, {"i": i})
+    assert read_json(path) == {"i": 4}
+    assert mode(path) == 0o600
+    assert os.listdir(tmp_path) == ["f.json"]
+
+
+def test_failed_write_leaves_old_file_and_no_temp(tmp_path: Path) -> None:
+    path = tmp_path / "f.json"
+    write_json_atomic(path, {"ok": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"bad": object()})
+    assert read_json(path) == {"ok": 1}
+    assert os.listdir(tmp_path) == ["f.json"]
+
+
+def test_update_merges_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    s.update("c", a=1)
+    rec = s.update("c", b=2)
+    assert rec == {"id": "c", "a": 1, "b": 2} == s.load("c")
+    assert sorted(os.listdir(tmp_path / "containers")) == ["c.json", "c.lock"]
+
+
+def test_load_missing_or_corrupt_is_none(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    assert s.load("nope") is None
+    s.record_path("bad").write_text('{"id": "ba')
+    assert s.load("bad") is None
+
+
+def test_delete(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    s.update("c", pid=5)
+    s.update("d", pid=6)
+    s.delete("c")
+    s.delete("c")  # twice: nothing there, no error
+    assert sorted(os.listdir(tmp_path / "containers")) == ["d.json", "d.lock"]
+
+
+# -- ids ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cid", ["../x", "a/b", "", ".hidden", "..", ".", "/abs", "x\n",
+                                 "x\x00", "a b", "-lead", "a" * 251, "é"])
+def test_check_id_rejects(cid: str) -> None:
+    with pytest.raises(UsageError, match="invalid container id"):
+        check_id(cid)
+
+
+@pytest.mark.parametrize("cid", ["a", "gpu-1234abcd", "A.b_c+d-e", "0" * 64, "a" * 250])
+def test_check_id_accepts(cid: str, tmp_path: Path) -> None:
+    assert check_id(cid) == cid
+    Store(tmp_path).update(cid, pid=1)  # and the files fit NAME_MAX
+    assert Store(tmp_path).load(cid) == {"id": cid, "pid": 1}
+
+
+@pytest.mark.parametrize("cid", ["../escape", "a/../../escape", "sub/x"])
+def test_traversal_touches_nothing_outside(tmp_path: Path, cid: str) -> None:
+    s = Store(tmp_path / "state")
+    for call in (lambda: s.update(cid, x=1), lambda: s.remember(cid, "k", {}),
+                 lambda: s.record_path(cid), lambda: s.delete(cid), lambda: s.load(cid)):
+        with pytest.raises(UsageError):
+            call()
+    outside = [p for p in tmp_path.rglob("*") if not str(p).startswith(str(tmp_path / "state"))]
+    assert outside == []
+    assert not list((tmp_path / "state").rglob("*.json"))
+
+
+# -- concurrency ------------------------------------------------------------------------
+
+WRITER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {pkg!r})
+    from cudahook.store import Store
+    s = Store(sys.argv[1])
+    me, n = sys.argv[2], int(sys.argv[3])
+    pad = "x" * 40000
+    for i in range(1, n + 1):
+        s.update("c", **{{me: i, "pad": pad}})
+""")
+
+
+def test_concurrent_processes_and_threads_never_show_a_partial_file(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    s.update("c", pad="")
+    path = s.record_path("c")
+    n = 60
+    script = WRITER.format(pkg=PKG)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), f"p{i}", str(n)])
+             for i in range(3)]
+
+    def thread_writer(me: str) -> None:
+        st = Store(tmp_path)  # its own lock fd: flock excludes it like another process
+        for i in range(1, n + 1):
+            st.update("c", **{me: i})
+
+    threads = [threading.Thread(target=thread_writer, args=(f"t{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    reads, bad = 0, []
+    while any(p.poll() is None for p in procs) or any(t.is_alive() for t in threads):
+        text = path.read_text()
+        try:
+            assert json.loads(text)["id"] == "c"
+        except (ValueError, KeyError, AssertionError):
+            bad.append(text[:80])
+        reads += 1
+    for t in threads:
+        t.join()
+    assert [p.wait() for p in procs] == [0, 0, 0]
+    assert bad == [] and reads > 10
+    final = s.load("c")
+    assert final is not None
+    # Every update is a locked read-modify-write: none of them is lost.
+    assert [final[k] for k in ("p0", "p1", "p2", "t0", "t1")] == [n] * 5
+    assert sorted(os.listdir(tmp_path / "containers")) == ["c.json", "c.lock"]
+
+
+def test_threads_writing_one_file_unlocked_stay_atomic(tmp_path: Path) -> None:
+    """write_json_atomic itself, as the CRIU run file and the manifest use it."""
+    path = tmp_path / "f.json"
+    write_json_atomic(path, {"w": -1})
+    errors: list[BaseException] = []
+
+    def writer(w: int) -> None:
+        try:
+            for i in range(150):
+                write_json_atomic(path, {"w": w, "i": i, "pad": "y" * (20000 + 997 * w)})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    bad = []
+    while any(t.is_alive() for t in threads):
+        data = json.loads(path.read_text() or "null")
+        if not (isinstance(data, dict) and len(data.get("pad", "")) in (0, *(20000 + 997 * w
+                                                                            for w in range(4)))):
+            bad.append(data)
+    for t in threads:
+        t.join()
+    assert errors == [] and bad == []
+    assert os.listdir(tmp_path) == ["f.json"]
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {pkg!r})
+    from cudahook.store import Store
+    root, cid, log, hold = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "hold"
+    def note(what):
+        with open(log, "a") as f:
+            f.write(f"{{what}} {{time.monotonic():.6f}}\\n")
+    with Store(root).locked(cid):
+        note("in")
+        print("in", flush=True)
+        if hold:
+            sys.stdin.readline()  # hold the lock until the test says so
+        note("out")
+""")
+
+
+def locker(tmp_path: Path, cid: str, log: Path, hold: bool) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", HOLDER.format(pkg=PKG), str(tmp_path / "s"),
+                             cid, str(log), "hold" if hold else "go"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def entered(p: subprocess.Popen[str]) -> None:
+    assert p.stdout is not None and p.stdout.readline() == "in\n"
+
+
+def release(p: subprocess.Popen[str]) -> None:
+    assert p.stdin is not None
+    p.stdin.write("\n")
+    p.stdin.close()
+    assert p.wait(10) == 0
+
+
+def events(log: Path) -> list[tuple[str, float]]:
+    if not log.exists():
+        return []
+    return [(w, float(t)) for w, t in (line.split() for line in log.read_text().splitlines())]
+
+
+def test_locked_serialises_two_processes(tmp_path: Path) -> None:
+    la, lb = tmp_path / "a.log", tmp_path / "b.log"
+    a = locker(tmp_path, "c", la, hold=True)
+    entered(a)  # a holds the lock now
+    b = locker(tmp_path, "c", lb, hold=False)
+    time.sleep(0.5)
+    assert b.poll() is None and events(lb) == []  # b waits
+    release(a)
+    entered(b)
+    assert b.wait(10) == 0
+    (_, t_a_in), (_, t_a_out) = events(la)
+    assert [w for w, _ in events(lb)] == ["in", "out"]
+    assert events(lb)[0][1] >= t_a_out > t_a_in  # b only got in after a let go
+
+
+def test_locks_of_different_containers_do_not_block(tmp_path: Path) -> None:
+    la, lb = tmp_path / "a.log", tmp_path / "b.log"
+    a = locker(tmp_path, "c", la, hold=True)
+    entered(a)
+    b = locker(tmp_path, "d", lb, hold=False)
+    assert b.wait(30) == 0  # "d" went through while "c" is held
+    assert a.poll() is None and [w for w, _ in events(la)] == ["in"]
+    release(a)
+
+
+# -- lookups, history, runs --------------------------------------------------------------
+
+
+def test_find_by_pid(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    s.update("a", pid=100)
+    s.update("b", pid=200)
+    s.update("c", pid=None)
+    (tmp_path / "containers" / "junk.json").write_text("{")
+    (tmp_path / "containers" / "list.json").write_text("[200]")
+    assert s.find_by_pid(200)["id"] == "b"  # type: ignore[index]
+    assert s.find_by_pid(100)["id"] == "a"  # type: ignore[index]
+    assert s.find_by_pid(300) is None
+    assert [r["id"] for r in s.records()] == ["a", "b", "c"]
+    assert Store(tmp_path / "empty").find_by_pid(100) is None
+
+
+def test_remember_and_history(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    assert s.history() == {}
+    s.remember("a", "checkpoint", {"ok": True, "n": 1})
+    s.remember("a", "restore", {"ok": False})
+    s.remember("a", "checkpoint", {"ok": True, "n": 2})
+    s.remember("b", "checkpoint", {"ok": True})
+    s.delete("a")  # the container's record goes; its history stays
+    assert s.history() == {"a": {"checkpoint": {"ok": True, "n": 2}, "restore": {"ok": False}},
+                           "b": {"checkpoint": {"ok": True}}}
+
+
+def test_prune_runs_removes_only_old_files(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    s.prune_runs()  # no runs directory yet
+    old, new = s.run_path("1-1"), s.run_path("2-2")
+    other = tmp_path / "runs" / "3-3.vmm"
+    for p in (old, new):
+        p.write_text("{}")
+    other.mkdir()
+    stale = time.time() - 7200
+    os.utime(old, (stale, stale))
+    os.utime(other, (stale, stale))
+    s.prune_runs(max_age_s=3600)
+    assert not old.exists()
+    assert new.exists() and other.exists()
+    s.prune_runs(max_age_s=0.0 - 10)  # everything is "old" now
+    assert not new.exists()
