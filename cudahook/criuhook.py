@@ -59,6 +59,9 @@ def main() -> int:
     except CudahookError as exc:
         print(f"cudahook: {exc}", file=sys.stderr)
         return int(exc.exit_code)
+    except Exception as exc:  # a bug must still fail the action, in one line
+        print(f"cudahook: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return Exit.FAILED
 
 
 def run(ctx: Context, call: CriuCall) -> int:
@@ -76,6 +79,10 @@ def run(ctx: Context, call: CriuCall) -> int:
     except CudahookError as exc:
         ctx.log(call.action, error=str(exc), init_pid=call.init_pid)
         rc = int(exc.exit_code)
+    except Exception as exc:  # recorded like any failure: CRIU's second call must not retry
+        ctx.log(call.action, error=f"internal error: {type(exc).__name__}: {exc}",
+                init_pid=call.init_pid)
+        rc = Exit.FAILED
     done[call.action] = rc
     write_json_atomic(run_file, progress)
     if call.action == "pre-dump":
@@ -92,7 +99,11 @@ def _run_key(ctx: Context, criu_pid: int) -> str:
 
 def _container(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, Context, ann.Options]:
     """The OCI record (if the OCI hook saw this container) and its options."""
-    record = ctx.store.find_by_pid(init_pid)
+    try:
+        start: int | None = ctx.host.start_time(init_pid)
+    except Exception:
+        start = None
+    record = ctx.store.find_by_pid(init_pid, start)
     opts = ann.parse({ann.PREFIX + k: v for k, v in (record or {}).get("options", {}).items()})
     settings = opts.apply(ctx.settings)
     if settings is not ctx.settings:
@@ -143,6 +154,13 @@ def pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
         _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
         raise
 
+    # Taken before the checkpoint: the guardian tells our processes from PID reuse.
+    starts = {}
+    for p in found.processes:
+        try:
+            starts[p.pid] = ctx.host.start_time(p.pid)
+        except Exception:
+            starts[p.pid] = None
     try:
         result = ctx.engine.checkpoint(found.processes)
     except PhaseError as exc:
@@ -150,7 +168,6 @@ def pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
                 timeline=exc.result.timeline.to_dict() if exc.result else None)
         _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
         return int(exc.exit_code)
-    starts = {p.pid: ctx.host.start_time(p.pid) for p in found.processes}
     data = {
         "container_id": cid,
         "created": time.time(),
@@ -164,8 +181,11 @@ def pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     try:
         manifest.write(call.image_dir, data)
         spawn_guardian(ctx, call.criu_pid, cid, [(p, starts[p]) for p in found.pids])
-    except (OSError, CudahookError) as exc:
-        # Without a manifest the restore could never bring the GPU state back.
+    except Exception as exc:
+        # Without a manifest the restore could never bring the GPU state back,
+        # and without a guardian nothing would after CRIU aborts: undo it all.
+        with contextlib.suppress(OSError):
+            (call.image_dir / manifest.NAME).unlink()
         ctx.engine.restore(found.processes)
         raise EnvironmentProblem(f"pre-dump: cannot record the checkpoint: {exc}") from exc
     ctx.log("checkpoint", container=cid, pids=found.pids,

@@ -35,13 +35,13 @@ def read(image_dir: Path) -> dict[str, Any] | None:
     data = read_json(path)
     if not isinstance(data, dict):
         raise ManifestError(f"{NAME} in the checkpoint is unreadable")
-    if data.get("version") != VERSION:
+    if type(data.get("version")) is not int or data["version"] != VERSION:
         raise ManifestError(
             f"{NAME} has version {data.get('version')!r}; this cudahook reads version {VERSION}"
         )
     procs = data.get("processes")
     if not isinstance(procs, list) or not all(
-        isinstance(p, dict) and isinstance(p.get("nspid"), int) for p in procs
+        isinstance(p, dict) and type(p.get("nspid")) is int and p["nspid"] > 0 for p in procs
     ):
         raise ManifestError(f"{NAME}: malformed process list")
     if not isinstance(data.get("gpus", []), list):

@@ -102,10 +102,10 @@ class Store:
             return record
 
     def delete(self, container_id: str) -> None:
-        d = self._dir("containers")
-        for suffix in (".json", ".lock"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(d / f"{check_id(container_id)}{suffix}")
+        """Forget the record. The lock file stays: unlinking a lock that
+        another hook may be waiting on would let two writers in at once."""
+        with self.locked(container_id), contextlib.suppress(FileNotFoundError):
+            os.unlink(self.record_path(container_id))
 
     def records(self) -> list[dict[str, Any]]:
         d = self.root / "containers"
@@ -118,10 +118,16 @@ class Store:
                 out.append(rec)
         return out
 
-    def find_by_pid(self, pid: int) -> dict[str, Any] | None:
+    def find_by_pid(self, pid: int, start: int | None = None) -> dict[str, Any] | None:
+        """The record of the container whose init is `pid`. With `start`, a
+        record left behind by a container whose PID was since reused does not
+        match (its init started at another time)."""
         for rec in self.records():
-            if rec.get("pid") == pid:
-                return rec
+            if rec.get("pid") != pid:
+                continue
+            if start is not None and rec.get("pid_start") not in (None, start):
+                continue
+            return rec
         return None
 
     # -- results kept past the container's life -------------------------------

@@ -84,7 +84,9 @@ def test_delete(tmp_path: Path) -> None:
     s.update("d", pid=6)
     s.delete("c")
     s.delete("c")  # twice: nothing there, no error
-    assert sorted(os.listdir(tmp_path / "containers")) == ["d.json", "d.lock"]
+    assert s.load("c") is None and s.load("d") == {"id": "d", "pid": 6}
+    # The lock file outlives the record (see Store.delete).
+    assert sorted(os.listdir(tmp_path / "containers")) == ["c.lock", "d.json", "d.lock"]
 
 
 # -- ids ----------------------------------------------------------------------------
