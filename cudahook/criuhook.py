@@ -130,6 +130,24 @@ def _gpu_uuids(ctx: Context, visible: list[str] | None) -> list[str]:
 
 def pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     init_pid = _need_init(call)
+    # containerd and docker pause the container before `runc checkpoint`:
+    # thaw it for the CUDA phase (a frozen restore thread makes
+    # cuda-checkpoint hang), and freeze it again before CRIU takes over.
+    thawed = False
+    try:
+        if ctx.host.is_frozen(init_pid):
+            ctx.host.set_frozen(init_pid, False)
+            thawed = True
+    except (OSError, TimeoutError) as exc:
+        raise EnvironmentProblem(f"pre-dump: cannot thaw the paused container: {exc}") from exc
+    try:
+        return _pre_dump(ctx, call, progress, init_pid)
+    finally:
+        if thawed:
+            ctx.host.set_frozen(init_pid, True)
+
+
+def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: int) -> int:
     record, ctx, opts = _container(ctx, init_pid)
     cid = (record or {}).get("id")
     if opts.enabled is False:

@@ -14,11 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .backends import CHECKPOINTED, RUNNING, Backend
-from .errors import ToolError
+from .errors import CudahookError, ToolError
 from .host import Host, ProcessGone
 
 # The CUDA driver's restore thread; R550-R554 have no query for it (gVisor's rule).
 CUDA_THREAD = re.compile(r"^cuda[0-9a-f]{11}$")
+
+
+class DiscoveryError(CudahookError):
+    """Some candidate could not be classified; nothing was touched."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,15 @@ def discover(
     workers = max(1, min(max_parallel, len(result.candidates)))
     with ThreadPoolExecutor(workers) as pool:
         outcomes = list(pool.map(probe, result.candidates))
+    unanswered = [(pid, why) for pid, (is_cuda, _, why) in zip(result.candidates, outcomes,
+                                                              strict=True) if is_cuda is None]
+    if unanswered:
+        # No answer is not "not CUDA": skipping it would let CRIU dump a live
+        # GPU process. A stopped, frozen or traced target makes the tool hang.
+        raise DiscoveryError(
+            "cuda-checkpoint did not answer for " + ", ".join(
+                f"pid {pid} ({why})" for pid, why in unanswered)
+            + ": is the process stopped, frozen or traced?")
     for pid, (is_cuda, state, why) in zip(result.candidates, outcomes, strict=True):
         if not is_cuda:
             result.skipped[pid] = why
@@ -152,10 +165,12 @@ def discover(
 
 
 def _probe_with(call):  # type: ignore[no-untyped-def]
-    def probe(pid: int) -> tuple[bool, str | None, str]:
+    def probe(pid: int) -> tuple[bool | None, str | None, str]:
         try:
             return True, call(pid), ""
         except ToolError as exc:
+            if exc.timed_out:
+                return None, None, "timed out"
             return False, None, exc.stderr or f"exit {exc.returncode}"
 
     return probe

@@ -34,6 +34,13 @@ def wait_exit(pid: int, start: int, host: Any) -> None:
         os.close(fd)
 
 
+def _frozen(ctx: Any, pid: int) -> bool:
+    try:
+        return bool(ctx.host.is_frozen(pid))
+    except Exception:
+        return False
+
+
 def main(arg: str) -> int:
     from .config import Settings
     from .context import Context
@@ -49,6 +56,12 @@ def main(arg: str) -> int:
     if not alive:
         ctx.log("guardian", container=cid, outcome="dump completed; nothing to resume")
         return 0
+    # A runtime that paused the container for the dump resumes it after
+    # CRIU exits; the CUDA restore can only run once it has.
+    deadline = time.monotonic() + MAX_WAIT_S
+    while any(_frozen(ctx, pid) for pid in alive) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
     try:
         result = ctx.engine.restore(alive)
     except CudahookError as exc:

@@ -198,6 +198,62 @@ class Host:
                     yield sorted(pids)
                     break
 
+    # -- the cgroup freezer ----------------------------------------------------
+    # containerd and docker pause a container (freeze its cgroup) before they
+    # call `runc checkpoint`. A frozen process's CUDA restore thread cannot
+    # run, and cuda-checkpoint then hangs, so the CUDA phase must thaw it.
+
+    def freezer(self, pid: int) -> Path | None:
+        """The freezer control file of the process's own (non-root) cgroup.
+
+        A v1 freezer comes first: on a hybrid host (v1 controllers, v2
+        mounted beside them) runtimes freeze through v1.
+        """
+        entries = self.cgroup_paths(pid)
+        entries.sort(key=lambda e: "freezer" not in e[0].split(","))
+        for controllers, path in entries:
+            if path in ("", "/"):
+                continue
+            if controllers == "":
+                candidates = [b / path.lstrip("/") / "cgroup.freeze"
+                              for b in (self.cgroup_root, self.cgroup_root / "unified")]
+            elif "freezer" in controllers.split(","):
+                candidates = [self.cgroup_root / "freezer" / path.lstrip("/") / "freezer.state"]
+            else:
+                continue
+            for f in candidates:
+                if f.exists():
+                    return f
+        return None
+
+    def is_frozen(self, pid: int) -> bool:
+        f = self.freezer(pid)
+        if f is None:
+            return False
+        if f.name == "freezer.state":
+            return f.read_text().strip() in ("FROZEN", "FREEZING")
+        return f.read_text().strip() == "1"
+
+    def set_frozen(self, pid: int, frozen: bool, timeout: float = 10.0) -> None:
+        f = self.freezer(pid)
+        if f is None:
+            return
+        v1 = f.name == "freezer.state"
+        f.write_text(("FROZEN" if frozen else "THAWED") if v1 else ("1" if frozen else "0"))
+        deadline = time.monotonic() + timeout
+        while True:
+            if v1:
+                state = f.read_text().strip()
+                done = state == ("FROZEN" if frozen else "THAWED")
+            else:
+                events = (f.parent / "cgroup.events").read_text()
+                done = f"frozen {1 if frozen else 0}" in events
+            if done:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cgroup {f.parent} did not {'freeze' if frozen else 'thaw'}")
+            time.sleep(0.01)
+
     def _cgroup_mounts(self, controllers: str) -> list[Path]:
         root = self.cgroup_root
         if controllers == "":

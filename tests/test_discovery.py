@@ -142,3 +142,21 @@ def test_device_pattern_is_configurable(node) -> None:  # type: ignore[no-untype
     engine = node.engine(device_pattern=r"^/dev/nvidia[0-9]+$")  # misses the lab's paths
     found = discover(engine.host, engine.backend, init.pid, engine.settings.device_regex)
     assert found.candidates == [] and found.processes == []
+
+
+def test_a_process_that_does_not_answer_is_an_error_not_skipped(node) -> None:  # type: ignore[no-untyped-def]
+    """A stopped CUDA process makes cuda-checkpoint hang: discovery must fail,
+    not classify it as "not CUDA" and let CRIU dump it with its GPU state."""
+    from cudahook.discovery import DiscoveryError
+
+    init = node.spawn_tree(("a", {"mib": 1}), ("b", {"mib": 1}))
+    node.lab.wait_counter("a")
+    b = node.lab.wait_counter("b")["pid"]
+    engine = node.engine(call_timeout_s=1.0)
+    os.kill(b, signal.SIGSTOP)
+    try:
+        with pytest.raises(DiscoveryError, match=f"pid {b} \\(timed out\\)"):
+            discover(engine.host, engine.backend, init.pid, engine.settings.device_regex)
+    finally:
+        os.kill(b, signal.SIGCONT)
+    assert engine.read_state(b) == "running"

@@ -139,6 +139,12 @@ class RuncBox:
         return self._runc("restore", "-d", "-b", str(bundle), "--image-path", str(image),
                           "--work-path", str(image) + ".rwork", cid, detach=True)
 
+    def pause(self, cid: str) -> subprocess.CompletedProcess[str]:
+        return self._runc("pause", cid)
+
+    def resume(self, cid: str) -> subprocess.CompletedProcess[str]:
+        return self._runc("resume", cid)
+
     def state(self, cid: str) -> dict[str, Any] | None:
         r = self._runc("state", cid, timeout=30)
         return json.loads(r.stdout) if r.returncode == 0 else None

@@ -194,3 +194,27 @@ def test_round_trip_on_older_drivers(make_env, tmp_path, driver: int) -> None:  
     r = env.box.restore(cid, bundle, tmp_path / "img")
     assert r.returncode == 0, r.stderr
     env.wait_running(tags, frozen)
+
+
+@pytest.mark.parametrize("leave_running", [True, False])
+def test_paused_first_as_containerd_and_docker_do(make_env, tmp_path, leave_running: bool) -> None:  # type: ignore[no-untyped-def]
+    """containerd and docker freeze the container, then call runc checkpoint:
+    a frozen CUDA process cannot answer cuda-checkpoint, so the hook thaws it
+    for the CUDA phase and refreezes it for CRIU."""
+    env = make_env()
+    cid, bundle, tags = start(env)
+    assert env.box.pause(cid).returncode == 0
+    paused = env.frozen(tags)
+    image = tmp_path / "img"
+    r = env.box.checkpoint(cid, image, leave_running=leave_running)
+    assert r.returncode == 0, r.stderr
+    if leave_running:
+        assert env.box.state(cid)["status"] == "paused"  # as the runtime left it
+        assert env.box.resume(cid).returncode == 0
+        env.wait_running(tags, paused)  # the guardian waited for the thaw, then restored
+        env.wait_event("guardian", lambda e: "resumed" in e.get("outcome", ""))
+    else:
+        frozen = env.frozen(tags)
+        r = env.box.restore(cid, bundle, image)
+        assert r.returncode == 0, r.stderr
+        env.wait_running(tags, frozen)
