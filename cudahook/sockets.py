@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import stat
+from collections.abc import Iterator
 
 # Used with fullmatch: "$" alone also matches before a trailing newline, and a
 # container could name a socket "cuda-vmm-7.sock\n".
@@ -45,24 +46,27 @@ def open_dir_nofollow(path: str, base: str = "/") -> int | None:
             os.close(fd)
 
 
+def _sockets_in(dfd: int) -> Iterator[tuple[int, str]]:
+    """(nspid, name) of each entry of the directory fd that is a valid socket."""
+    for name in os.listdir(f"/proc/self/fd/{dfd}"):
+        m = SOCKET_NAME.fullmatch(name)
+        if not m:
+            continue
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISSOCK(st.st_mode):
+            yield int(m.group(1)), name
+
+
 def list_sockets(path: str, base: str = "/") -> dict[int, str]:
     """nspid -> name for every valid interposer socket in the directory."""
     dfd = open_dir_nofollow(path, base)
     if dfd is None:
         return {}
     try:
-        found = {}
-        for name in os.listdir(f"/proc/self/fd/{dfd}"):
-            m = SOCKET_NAME.fullmatch(name)
-            if not m:
-                continue
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISSOCK(st.st_mode):
-                found[int(m.group(1))] = name
-        return found
+        return dict(_sockets_in(dfd))
     finally:
         os.close(dfd)
 
@@ -73,17 +77,10 @@ def remove_stale_sockets(path: str) -> int:
         return 0
     try:
         removed = 0
-        for name in os.listdir(f"/proc/self/fd/{dfd}"):
-            if not SOCKET_NAME.fullmatch(name):
-                continue
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISSOCK(st.st_mode):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=dfd)
-                    removed += 1
+        for _nspid, name in list(_sockets_in(dfd)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
+                removed += 1
         return removed
     finally:
         os.close(dfd)

@@ -199,14 +199,7 @@ class SimLab:
     # -- workloads on the host -------------------------------------------------
 
     def workload_argv(self, tag: str, **opts: Any) -> list[str]:
-        argv = [self.python, "-m", "cudahook.sim", "workload", "--tag", tag]
-        for key, value in opts.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                argv.append(flag)
-            elif value not in (False, None):
-                argv += [flag, str(value)]
-        return argv
+        return workload_argv(self.python, tag, **opts)
 
     def workload_env(self) -> dict[str, str]:
         return {
@@ -249,6 +242,19 @@ class SimLab:
 
     def clear_faults(self) -> None:
         (self.root / "faults.json").unlink(missing_ok=True)
+
+
+def workload_argv(python: str, tag: str, **opts: Any) -> list[str]:
+    """The simulated workload's command line; options as keyword arguments
+    (True: a flag, False/None: left out)."""
+    argv = [python, "-m", "cudahook.sim", "workload", "--tag", tag]
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value not in (False, None):
+            argv += [flag, str(value)]
+    return argv
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, message: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .bundle import find_criu, make_bundle
-from .lab import PKG_PARENT, SimLab
+from .lab import PKG_PARENT, SimLab, workload_argv
 
 GUEST_PKG = "/opt/cudahook"
 GUEST_SIM = "/run/cuda-sim"
@@ -41,14 +41,7 @@ class RuncBox:
     # -- bundles -----------------------------------------------------------------
 
     def workload_cmd(self, tag: str, **opts: Any) -> str:
-        argv = ["/usr/bin/python3", "-m", "cudahook.sim", "workload", "--tag", tag]
-        for key, value in opts.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                argv.append(flag)
-            elif value not in (False, None):
-                argv += [flag, str(value)]
-        return shlex.join(argv)
+        return shlex.join(workload_argv("/usr/bin/python3", tag, **opts))
 
     def bundle(
         self,

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .protocol import (
@@ -195,39 +195,16 @@ class SimCuda:
 
     def serve_vmm(self, path: str) -> None:
         listener = bind_unix(path)
+        threading.Thread(target=serve_forever, args=(listener, self.handle_vmm),
+                         name="vmm-shim", daemon=True).start()
 
-        def loop() -> None:
-            while True:
-                try:
-                    conn, _ = listener.accept()
-                except OSError:
-                    time.sleep(0.01)
-                    continue
-                with conn:
-                    stream = conn.makefile("rwb")
-                    try:
-                        msg, _ = recv(stream)
-                        try:
-                            if msg.get("op") == "export":
-                                reply: dict[str, Any] = {"mappings": self.export_vmm()}
-                            elif msg.get("op") == "import":
-                                self.import_vmm(msg.get("mappings", []))
-                                reply = {}
-                            else:
-                                raise CudaError(INVALID_VALUE, f"unknown request {msg.get('op')!r}")
-                            reply["ok"] = True
-                        except (CudaError, GpuLost) as exc:
-                            reply = {"ok": False, "error": str(exc)}
-                        send(stream, reply)
-                    except (EOFError, OSError, ValueError):
-                        pass
-                    finally:
-                        # The socket's fd stays open while its file object
-                        # does; a leftover peer would make CRIU refuse the dump.
-                        with contextlib.suppress(OSError):
-                            stream.close()
-
-        threading.Thread(target=loop, name="vmm-shim", daemon=True).start()
+    def handle_vmm(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("op") == "export":
+            return {"mappings": self.export_vmm()}
+        if msg.get("op") == "import":
+            self.import_vmm(msg.get("mappings", []))
+            return {}
+        raise CudaError(INVALID_VALUE, f"unknown request {msg.get('op')!r}")
 
     # -- the restore thread --------------------------------------------------
 
@@ -236,30 +213,7 @@ class SimCuda:
         self.restore_tid = threading.get_native_id()
         listener = bind_unix(ctl_path(self.ctl_dir, os.getpid()))
         self._ready.set()
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                time.sleep(0.01)
-                continue
-            with conn:
-                self._serve_one(conn)
-
-    def _serve_one(self, conn: socket.socket) -> None:
-        stream = conn.makefile("rwb")
-        try:
-            msg, _ = recv(stream)
-            try:
-                reply = self.handle(msg)
-                reply["ok"] = True
-            except CudaError as exc:
-                reply = {"ok": False, "code": exc.code, "error": str(exc)}
-            send(stream, reply)
-        except (EOFError, OSError, ValueError):
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                stream.close()
+        serve_forever(listener, self.handle)
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
@@ -360,5 +314,32 @@ class SimCuda:
             time.sleep(size / (self.bandwidth * (1 << 20)))
 
 
-def status_json(**fields: Any) -> str:
-    return json.dumps(fields, sort_keys=True)
+def serve_forever(listener: socket.socket,
+                  handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """One request per connection, answered in order: the driver serialises a
+    process's checkpoint operations the same way."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            time.sleep(0.01)
+            continue
+        with conn:
+            stream = conn.makefile("rwb")
+            try:
+                msg, _ = recv(stream)
+                try:
+                    reply = handle(msg)
+                    reply["ok"] = True
+                except CudaError as exc:
+                    reply = {"ok": False, "code": exc.code, "error": str(exc)}
+                except GpuLost as exc:
+                    reply = {"ok": False, "code": UNKNOWN, "error": str(exc)}
+                send(stream, reply)
+            except (EOFError, OSError, ValueError):
+                pass
+            finally:
+                # The socket's fd stays open while its file object does; a
+                # leftover peer would make CRIU refuse the dump.
+                with contextlib.suppress(OSError):
+                    stream.close()
