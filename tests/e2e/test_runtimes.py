@@ -1,0 +1,465 @@
+"""Simulated CUDA workloads through the real runtimes, with cudahook installed by
+install.sh into a fresh prefix: containerd 1.6 (``ctr``, the wrapper first on
+the shim's PATH) and docker 20.10 (experimental, ``--runtime cudahook``).
+
+Both runtimes pause the container before ``runc checkpoint``; cudahook's
+action script thaws it for the CUDA phase and its guardian puts the workloads
+back on the GPU after a ``--leave-running`` dump. The workloads' status files
+(written through the lab root bound into the container) tell whether they
+went on, restored from the right point, with their GPU memory intact.
+
+Skipped unless root with runc, CRIU >= 4.0, containerd/ctr/dockerd/docker.io
+(scripts/provision-criu.sh, scripts/provision-runtimes.sh), and unless no
+cudahook installation is journaled on this machine (uninstalling ours would
+revert it too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cudahook.sim.lab import PKG_PARENT, SimLab
+from cudahook.sim.runcbox import GUEST_PKG, GUEST_SIM
+
+from .conftest import needs_runc
+from .daemons import (
+    CONTAINERD,
+    CTR,
+    DOCKER,
+    DOCKERD,
+    RUNC,
+    SHIM,
+    Containerd,
+    Dockerd,
+    image_tar,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+JOURNAL = Path("/var/lib/cudahook/journal.json")
+CONFIG = Path("/etc/cudahook/config.yaml")
+DAEMON_JSON = Path("/etc/docker/daemon.json")
+_MISSING = [b for b in (CONTAINERD, CTR, SHIM, DOCKERD, DOCKER, RUNC) if not os.access(b, os.X_OK)]
+
+pytestmark = [
+    *needs_runc,
+    pytest.mark.skipif(
+        bool(_MISSING), reason=f"missing {', '.join(_MISSING)} (scripts/provision-runtimes.sh)"
+    ),
+    pytest.mark.skipif(JOURNAL.exists(), reason=f"cudahook is installed here ({JOURNAL})"),
+]
+
+# The files install.sh (and its configure steps) may touch outside the prefix.
+WATCHED = [
+    "/etc/criu/runc.conf", str(DAEMON_JSON), str(CONFIG),
+    "/etc/systemd/system/containerd.service.d/50-cudahook.conf",
+    "/usr/share/containers/oci/hooks.d/50-cudahook-create.json",
+    "/usr/share/containers/oci/hooks.d/50-cudahook-poststop.json",
+    "/usr/local/bin/cudahook", "/usr/local/bin/cudahook-sim", "/usr/local/bin/cudahook-runtime",
+    str(JOURNAL),
+]
+
+WORKLOADS = [("solo", {"mib": 4}), ("mp", {"mib": 2, "procs": 2})]
+OTHERS = ["sleep 100000"]  # not a CUDA process, beside the workloads
+RATE = 50  # steps per second a workload can at most make (20 ms sleep per step)
+IMAGE = "cudahook/python-host:test"
+
+
+# -- the machine's /etc, as test_install.py keeps it ----------------------------
+
+
+Snapshot = dict[str, tuple[str, bytes, int] | None]
+
+
+def snapshot() -> Snapshot:
+    out: Snapshot = {}
+    for p in WATCHED:
+        path = Path(p)
+        if path.is_symlink():
+            out[p] = ("link", os.readlink(path).encode(), 0)
+        elif path.exists():
+            out[p] = ("file", path.read_bytes(), stat.S_IMODE(path.stat().st_mode))
+        else:
+            out[p] = None
+    return out
+
+
+def put_back(snap: Snapshot, absent_dirs: list[Path]) -> None:
+    """Leave every watched file (and directory) as the test found it."""
+    for p, v in snap.items():
+        path = Path(p)
+        if path.is_symlink() or path.exists():
+            path.unlink()
+        if v is None:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kind, data, mode = v
+        if kind == "link":
+            path.symlink_to(data.decode())
+        else:
+            path.write_bytes(data)
+            os.chmod(path, mode)
+    for d in sorted(absent_dirs, key=lambda d: -len(d.parts)):  # deepest first
+        if d.is_dir():
+            with contextlib.suppress(OSError):  # not empty: someone else's now
+                d.rmdir()
+
+
+def missing_dirs() -> list[Path]:
+    """Parents of the watched files that do not exist now (to remove again)."""
+    out: set[Path] = set()
+    for p in WATCHED:
+        d = Path(p).parent
+        while not d.exists():
+            out.add(d)
+            d = d.parent
+    return sorted(out)
+
+
+def sh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+@dataclass
+class Node:
+    prefix: Path
+    lab: SimLab
+    tmp: Path
+
+    @property
+    def libexec(self) -> Path:
+        return self.prefix / "libexec"
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.lab.settings().state_dir)
+
+    @property
+    def log_file(self) -> Path:
+        return Path(self.lab.settings().log_file)
+
+    # -- cudahook's log ------------------------------------------------------
+
+    def events(self, cid: str | None, name: str | None = None) -> list[dict[str, Any]]:
+        """The log's events of container `cid` (None: those that name no container)."""
+        if not self.log_file.exists():
+            return []
+        lines = [json.loads(x) for x in self.log_file.read_text().splitlines() if x.strip()]
+        return [e for e in lines if e.get("container") == cid and name in (None, e["event"])]
+
+    def wait_event(self, cid: str, name: str, pred: Any = lambda e: True,
+                   count: int = 1, timeout: float = 20) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            hits = [e for e in self.events(cid, name) if pred(e)]
+            if len(hits) >= count:
+                return hits
+            assert time.monotonic() < deadline, f"no {count} {name} event(s): {self.events(cid)}"
+            time.sleep(0.05)
+
+    def assert_no_errors(self, cid: str) -> None:
+        events = self.events(cid) + self.events(None)
+        bad = [e for e in events if e.get("error") or e.get("warning")]
+        assert not bad, bad
+
+    # -- the workloads ---------------------------------------------------------
+
+    def counters(self, tags: list[str]) -> dict[str, int]:
+        return {t: self.lab.status(t).get("counter", 0) for t in tags}
+
+    def wait_running(self, tags: list[str], since: dict[str, int] | None = None,
+                     steps: int = 11, timeout: float = 20) -> dict[str, int]:
+        """Each workload advanced `steps` past `since`, memory intact, no errors."""
+        for t in tags:
+            st = self.lab.wait_counter(t, (since or {}).get(t, 0) + steps, timeout=timeout)
+            assert st["intact"] and st["errors"] == [] and st["state"] == "running", st
+        return self.counters(tags)
+
+    def frozen(self, tags: list[str], for_s: float = 0.3) -> dict[str, int]:
+        before = self.counters(tags)
+        time.sleep(for_s)
+        after = self.counters(tags)
+        assert before == after, f"workloads kept running: {before} -> {after}"
+        return after
+
+    def resumed(self, tags: list[str]) -> FirstReports:
+        """Watch, from now on, for each workload's first report (of a restore)."""
+        return FirstReports(self.lab, tags)
+
+
+class FirstReports:
+    """Polls the workloads' status files in a thread, from before a restore on,
+    for each one's first report written after the restore began, and how far
+    apart its polls were at most (`gap`). A workload makes at most RATE steps
+    a second, so the value first seen is at most 1 + RATE * gap steps past
+    the first one the restored workload reported."""
+
+    def __init__(self, lab: SimLab, tags: list[str]):
+        self.lab, self.tags = lab, tags
+        self.t0 = time.time()
+        self.first: dict[str, int] = {}
+        self.gap = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        last = time.monotonic()
+        while not self._stop.is_set() and len(self.first) < len(self.tags):
+            for t in self.tags:
+                st = self.lab.status(t)
+                if t not in self.first and st.get("time", 0) > self.t0:
+                    self.first[t] = st["counter"]
+            now = time.monotonic()
+            self.gap, last = max(self.gap, now - last), now
+            time.sleep(0.002)
+
+    def __enter__(self) -> FirstReports:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def assert_from(self, low: dict[str, int], high: dict[str, int], timeout: float = 20) -> dict[str, int]:
+        """Restored from a checkpoint taken while the reports showed [low, high]:
+        the first value reported is above `low` and at most a step past `high`,
+        plus what the polling may have missed. Returns the first values."""
+        self._thread.join(timeout)
+        assert len(self.first) == len(self.tags), f"no report after the restore: {self.first}"
+        slack = 2 + math.ceil(RATE * self.gap)
+        for t, v in self.first.items():
+            assert low[t] < v <= high[t] + slack, (t, v, low[t], high[t], slack)
+        return self.first
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """cudahook installed by install.sh (containerd and docker registered), its
+    configuration pointing at a simulated GPU node; all undone afterwards."""
+    if JOURNAL.exists():  # installed since collection (another test run?)
+        pytest.skip(f"cudahook is installed here ({JOURNAL})")
+    snap, absent = snapshot(), missing_dirs()
+    tmp = tmp_path_factory.mktemp("runtimes")
+    prefix = tmp / "opt"
+    lab: SimLab | None = None
+    installed: bytes | None = None
+    try:
+        r = sh(str(REPO / "install.sh"), "--prefix", str(prefix),
+               "--runtime", "containerd", "--runtime", "docker")
+        assert r.returncode == 0, r.stdout + r.stderr
+        installed = CONFIG.read_bytes()
+        lab = SimLab(tmp / "node")
+        lab.start()
+        CONFIG.write_text(yaml.safe_dump(dict(lab.settings().__dict__)))
+        yield Node(prefix, lab, tmp)
+    finally:
+        try:
+            if lab is not None:
+                lab.stop()
+            if installed is not None:
+                CONFIG.write_bytes(installed)  # the journal's after_sha must match
+            if prefix.exists() or JOURNAL.exists():
+                sh(str(REPO / "install.sh"), "--prefix", str(prefix), "--uninstall")
+        finally:
+            put_back(snap, absent)
+            shutil.rmtree(prefix, ignore_errors=True)
+
+
+# -- a GPU container's image, mounts and environment -----------------------------
+
+
+def python_rootfs(dest: Path) -> Path:
+    """A rootfs that runs the host's python once /usr and /etc are bound in."""
+    for name in ("usr", "etc", "dev", "proc", "sys", "tmp", "root", "run", "opt"):
+        (dest / name).mkdir(parents=True, exist_ok=True)
+    (dest / "tmp").chmod(0o1777)
+    for name in ("bin", "sbin", "lib", "lib64"):
+        (dest / name).symlink_to(f"usr/{name}")
+    return dest
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("image")
+    return image_tar(d / "python-host.tar", python_rootfs(d / "rootfs"), name=IMAGE,
+                     cmd=("/bin/sh",))
+
+
+def workload_cmd(tag: str, **opts: Any) -> str:
+    argv = ["/usr/bin/python3", "-m", "cudahook.sim", "workload", "--tag", tag]
+    for key, value in opts.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    return shlex.join(argv)
+
+
+@dataclass
+class GpuSpec:
+    cmd: list[str]
+    env: list[str]
+    binds: list[tuple[str, str, bool]]
+    tags: list[str]
+
+
+def gpu_spec(lab: SimLab, prefix: str) -> GpuSpec:
+    """What RuncBox puts in a GPU container, for a runtime's command line."""
+    cmds, tags = [], []
+    for name, opts in WORKLOADS:
+        tag = f"{prefix}-{name}"
+        cmds.append(workload_cmd(tag, **opts))
+        procs = int(opts.get("procs", 1))
+        tags += [tag] if procs == 1 else [f"{tag}.{i}" for i in range(procs)]
+    script = " ".join(f"{c} &" for c in [*cmds, *OTHERS]) + " wait"
+    env = [
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        f"PYTHONPATH={GUEST_PKG}",
+        f"CUDA_SIM_SOCKET={GUEST_SIM}/gpu.sock",
+        f"CUDA_SIM_STATUS_DIR={GUEST_SIM}/status",
+        "CUDA_SIM_DEV_DIR=/dev",
+        "CUDA_SIM_CTL_DIR=/dev/shm",
+        f"NVIDIA_VISIBLE_DEVICES={lab.uuids[0]}",
+    ]
+    binds = [("/usr", "/usr", True), ("/etc", "/etc", True),
+             (PKG_PARENT, GUEST_PKG, True), (str(lab.root), GUEST_SIM, False)]
+    binds += [(str(lab.dev / n), f"/dev/{n}", False) for n in sorted(os.listdir(lab.dev))]
+    return GpuSpec(["/bin/sh", "-c", script], env, binds, tags)
+
+
+def comms_in_pidns(init_pid: int) -> list[str]:
+    """Command names of the processes in the PID namespace of `init_pid`."""
+    ns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(f"{entry.path}/ns/pid") == ns:
+                out.append(Path(entry.path, "comm").read_text().strip())
+        except OSError:
+            continue
+    return out
+
+
+def assert_hooked(node: Node, cid: str, bundle: Path, pid: int) -> None:
+    """The wrapper added the OCI hooks, and the hook recorded the container."""
+    hooks = json.loads((bundle / "config.json").read_text()).get("hooks", {})
+    want = str(node.libexec / "cudahook-oci-hook")
+    for stage in ("createRuntime", "poststop"):
+        assert [h["path"] for h in hooks.get(stage, [])] == [want], hooks
+    record = json.loads((node.state_dir / "containers" / f"{cid}.json").read_text())
+    assert record["pid"] == pid and record["visible"] == node.lab.uuids[:1], record
+    assert "sleep" in comms_in_pidns(pid)
+
+
+# -- containerd 1.6 + ctr ----------------------------------------------------------
+
+
+def test_containerd_ctr_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) -> None:
+    shim_path = node.libexec / "runc-path"
+    assert os.readlink(shim_path / "runc") == str(node.libexec / "cudahook-runtime")
+    spec = gpu_spec(node.lab, "ctr")
+    tags, cid, ref = spec.tags, f"gpu-{uuid.uuid4().hex[:8]}", "cudahook/gpu-checkpoint:1"
+    with Containerd(tmp_path / "containerd", path_prefix=shim_path) as c:
+        name = c.import_image(image)
+        extra = [a for e in spec.env for a in ("--env", e)]
+        pid = c.run(name, cid, *spec.cmd, mounts=spec.binds, extra=extra)
+        node.wait_running(tags, steps=3)
+        bundle = c.state / "io.containerd.runtime.v2.task" / c.namespace / cid
+        assert_hooked(node, cid, bundle, pid)
+
+        # Checkpoint, leaving the task running: the guardian puts the
+        # workloads back on the GPU once containerd resumes the task.
+        before = node.counters(tags)
+        c.checkpoint(cid, ref)
+        after = node.counters(tags)
+        assert ref in c.ctr("images", "ls", "-q").stdout.split()
+        assert c.task_pid(cid) == pid
+        node.wait_event(cid, "guardian", lambda e: "resumed" in e.get("outcome", ""))
+        node.wait_running(tags, after, steps=25)
+        (ckpt,) = node.events(cid, "checkpoint")
+        assert sorted(ckpt["nspids"]) == sorted(node.lab.status(t)["pid"] for t in tags)
+
+        # Replace the task with the checkpoint: counters go back to its values.
+        c.remove(cid)
+        assert cid not in c.tasks()
+        last = node.counters(tags)
+        with node.resumed(tags) as reports:
+            new_pid = c.restore(cid, ref)
+            first = reports.assert_from(before, after)
+        assert new_pid != pid
+        assert all(first[t] < last[t] for t in tags), (first, last)
+        node.wait_running(tags, first)
+        (restore,) = node.wait_event(cid, "restore")
+        assert len(restore["pids"]) == len(tags)
+        node.wait_event(cid, "post-restore")
+        assert_hooked(node, cid, bundle, new_pid)
+        node.assert_no_errors(cid)
+        c.remove(cid)
+
+
+# -- docker 20.10 (experimental) ------------------------------------------------------
+
+
+def test_docker_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) -> None:
+    runtimes = json.loads(DAEMON_JSON.read_text())["runtimes"]
+    assert runtimes["cudahook"] == {"path": str(node.libexec / "cudahook-runtime")}
+    spec = gpu_spec(node.lab, "dk")
+    tags = spec.tags
+    with Dockerd(tmp_path / "dockerd", extra_config={"runtimes": runtimes}) as d:
+        name = d.load_image(image)
+        args = ["run", "-d", "--runtime", "cudahook", "--network", "none"]
+        for host, dest, ro in spec.binds:
+            args += ["-v", f"{host}:{dest}:{'ro' if ro else 'rw'}"]
+        for e in spec.env:
+            args += ["-e", e]
+        cid = d.docker(*args, name, *spec.cmd).stdout.strip()
+        pid = d.pid(cid)
+        node.wait_running(tags, steps=3)
+        bundle = d.containerd.state / "io.containerd.runtime.v2.task" / "moby" / cid
+        assert_hooked(node, cid, bundle, pid)
+
+        # 1. --leave-running: the same processes go on, back on their GPU.
+        d.docker("checkpoint", "create", "--leave-running", cid, "cp1", timeout=120)
+        after = node.counters(tags)
+        node.wait_event(cid, "guardian", lambda e: "resumed" in e.get("outcome", ""))
+        assert d.pid(cid) == pid
+        node.wait_running(tags, after)
+
+        # 2. a plain checkpoint stops the container where its counters stand.
+        d.docker("checkpoint", "create", cid, "cp2", timeout=120)
+        assert not d.inspect(cid)["State"]["Running"]
+        frozen = node.frozen(tags)
+        images = d.data_root / "containers" / cid / "checkpoints" / "cp2"
+        assert (images / "cudahook-manifest.json").is_file()
+        node.wait_event(cid, "checkpoint", count=2)
+        node.wait_event(cid, "guardian", lambda e: "nothing to resume" in e.get("outcome", ""))
+
+        # 3. start from cp2: the counters continue from the frozen values.
+        with node.resumed(tags) as reports:
+            d.docker("start", "--checkpoint", "cp2", cid, timeout=120)
+            first = reports.assert_from(frozen, frozen)
+        new_pid = d.pid(cid)
+        assert new_pid != pid
+        node.wait_running(tags, first)
+        (restore,) = node.wait_event(cid, "restore")
+        assert len(restore["pids"]) == len(tags)
+        assert_hooked(node, cid, bundle, new_pid)
+        node.assert_no_errors(cid)
+        d.docker("rm", "-f", cid)
