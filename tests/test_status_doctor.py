@@ -1,0 +1,91 @@
+"""`cudahook doctor` and `cudahook status` against a simulated node."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from cudahook.configure import configure
+from cudahook.store import Store
+
+
+def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cudahook", "--config", str(config), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def node_config(node, **over) -> Path:  # type: ignore[no-untyped-def]
+    path = node.lab.root / "config.yaml"
+    path.write_text(yaml.safe_dump(dict(node.settings(**over).__dict__)))
+    return path
+
+
+def checks(r: subprocess.CompletedProcess[str]) -> dict[str, dict[str, str]]:
+    return {c["name"]: c for c in json.loads(r.stdout)}
+
+
+def test_doctor_reports_and_explains(node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    root = tmp_path / "root"
+    root.mkdir()
+    cfg = node_config(node)
+    r = cli(cfg, "--json", "doctor", "--root", str(root))
+    c = checks(r)
+    assert c["cuda-checkpoint"]["status"] == "ok" and "580.65.06" in c["cuda-checkpoint"]["detail"]
+    assert c["driver"]["status"] == "ok" and "2 GPU(s)" in c["driver"]["detail"]
+    assert c["runc/criu registration"]["status"] == "fail"
+    assert c["runc/criu registration"]["hint"] == "cudahook configure --runtime runc"
+    assert r.returncode == 1
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "cudahook-criu-action").write_text("#!/bin/sh\n")
+    (hooks / "cudahook-criu-action").chmod(0o755)
+    configure("runc", hooks, root=str(root))
+    plugin = root / "usr/lib/criu/cuda_plugin.so"
+    plugin.parent.mkdir(parents=True)
+    plugin.write_bytes(b"\x7fELF")
+    c = checks(cli(cfg, "--json", "doctor", "--root", str(root)))
+    assert c["runc/criu registration"]["status"] == "ok"
+    assert c["criu cuda plugin"]["status"] == "fail" and "remove" in c["criu cuda plugin"]["hint"]
+
+
+def test_doctor_flags_an_open_state_dir_and_old_drivers(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=550)
+    cfg = node_config(node)
+    state = Path(node.settings().state_dir)
+    state.mkdir(mode=0o755)
+    os.chmod(state, 0o755)
+    r = cli(cfg, "doctor")
+    assert "[FAIL] state dir" in r.stdout and "chmod 700" in r.stdout
+    assert "[WARN] cuda-checkpoint" in r.stdout and "R555+" in r.stdout
+
+
+def test_status_shows_containers_processes_and_timelines(node) -> None:  # type: ignore[no-untyped-def]
+    init = node.spawn_tree(("a", {"mib": 1}), ("b", {"mib": 1}))
+    pids = sorted(node.lab.wait_counter(t)["pid"] for t in ("a", "b"))
+    settings = node.settings()
+    store = Store(settings.state_dir)
+    store.update("job-1", pid=init.pid, pid_start=None, visible=[node.lab.uuids[0]])
+    engine = node.engine()
+    res = engine.checkpoint(pids)
+    store.remember("job-1", "checkpoint", {"time": 1.0, "ok": True, "total_s": 0.5,
+                                            "timeline": res.timeline.to_dict()})
+    store.remember("gone-2", "restore", {"time": 2.0, "ok": False, "error": "pid 9: boom"})
+    cfg = node_config(node)
+    r = cli(cfg, "status")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "job-1  running" in out
+    for pid in pids:
+        assert f"pid {pid}" in out and "checkpointed" in out
+    assert "last checkpoint:" in out and "checkpoint timeline:" in out and "|" in out
+    assert "gone-2  gone" in out and "FAILED: pid 9: boom" in out
+    data = json.loads(cli(cfg, "--json", "status").stdout)
+    job = next(c for c in data["containers"] if c["id"] == "job-1")
+    assert {p["state"] for p in job["processes"]} == {"checkpointed"}
+    engine.restore(pids)
