@@ -43,7 +43,7 @@ from .context import Context
 from .criu_env import CriuCall
 from .discovery import container_pids, discover
 from .errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
-from .store import read_json, write_json_atomic
+from .store import mark, read_json, write_json_atomic
 
 HANDLED = ("pre-dump", "post-restore", "post-resume")
 
@@ -301,6 +301,10 @@ def post_restore(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     # names a dead /proc/<criu>/fd/N, seen with CRIU 4.1.1): keep what the
     # restore needs from it now.
     progress["manifest"] = data
+    try:  # without the mark the shell would skip post-resume: fail now instead
+        mark("restore", str(call.criu_pid))
+    except OSError as exc:
+        raise EnvironmentProblem(f"post-restore: cannot leave a mark for post-resume: {exc}") from exc
     ctx.log("post-restore", container=(record or {}).get("id"), init_pid=call.init_pid,
             device_map=mapping, checked="manifest, driver, GPUs, device map")
     return Exit.OK
@@ -330,6 +334,8 @@ def _vmm_dir(ctx: Context, call: CriuCall, data: dict[str, Any]) -> str | None:
 
 
 def post_resume(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
+    with contextlib.suppress(OSError):
+        mark("restore", str(call.criu_pid), on=False)
     data = progress.get("manifest")
     if data is None and "post-restore" not in progress.get("done", {}):
         data = manifest.read(call.image_dir) if call.image_dir else None

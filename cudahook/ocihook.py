@@ -8,12 +8,14 @@ no schema validation, no config file, no tool call.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
 from . import annotations as ann
 from . import oci
 from .errors import CudahookError, Exit, UsageError
+from .store import mark
 
 CREATE_STAGES = ("prestart", "createRuntime", "createContainer", "startContainer")
 STAGES = (*CREATE_STAGES, "poststart", "poststop")
@@ -70,6 +72,8 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
         if restored:
             record["restores"] = record.get("restores", 0) + 1
         ctx.store.save(cid, record)
+    with contextlib.suppress(OSError):  # without it only poststop's cleanup is skipped
+        mark("gpu", cid)
     ctx.log(f"oci-{stage}", container=cid, pid=pid, visible=info.visible)
     return Exit.OK
 
@@ -82,6 +86,8 @@ def on_poststop(state: dict) -> int:  # type: ignore[type-arg]
     store = Store(settings.state_dir)
     cid = check_id(state["id"])
     record = store.load(cid)
+    with contextlib.suppress(OSError):
+        mark("gpu", cid, on=False)
     if record is None:
         return Exit.OK
     if record.get("snapshot_control"):

@@ -24,6 +24,23 @@ from .errors import UsageError
 
 # At most 250 characters: "<id>.json" must fit NAME_MAX (255); a longer id
 # used to end in an OSError traceback (ENAMETOOLONG) instead of a clear error.
+# Marks the hooks' shell fast paths test before they start Python. Fixed, not
+# under the configurable state directory: the shell reads no configuration.
+MARKS = Path("/run/cudahook-marks")
+
+
+def mark(kind: str, key: str, *, on: bool = True) -> None:
+    """Set (or clear) a fast-path mark. A stale mark only costs a Python
+    start; a missing one makes the shell skip work, so setting can raise."""
+    path = MARKS / kind / check_id(key)
+    if on:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(MARKS, 0o700)
+        path.touch()
+    else:
+        path.unlink(missing_ok=True)
+
+
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,249}$")
 
 

@@ -218,3 +218,25 @@ def test_paused_first_as_containerd_and_docker_do(make_env, tmp_path, leave_runn
         r = env.box.restore(cid, bundle, image)
         assert r.returncode == 0, r.stderr
         env.wait_running(tags, frozen)
+
+
+def test_containers_without_gpu_never_start_python(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The shell fast paths: no record, no pre-dump/restore work for a plain
+    container; a container holding GPU device nodes (an NVML monitor) does
+    start Python, which finds no CUDA process and lets CRIU go on."""
+    env = make_env()
+    plain = env.box.bundle("plain", [], others=["sleep 100000"], visible=[])
+    cid = env.cid()
+    assert env.box.run(cid, plain).returncode == 0
+    assert env.box.checkpoint(cid, tmp_path / "img").returncode == 0
+    assert env.box.restore(cid, plain, tmp_path / "img").returncode == 0
+    assert env.box.state(cid)["status"] == "running"
+    assert env.events() == []  # not one Python hook ran
+
+    nvml = env.box.bundle("nvml", [("mon", {"nvml_only": True})])
+    cid2 = env.cid()
+    assert env.box.run(cid2, nvml).returncode == 0
+    env.lab.wait_counter("mon", 2)
+    assert env.box.checkpoint(cid2, tmp_path / "img2").returncode == 0
+    pre = env.wait_event("pre-dump")
+    assert pre["cuda_processes"] == 0 and pre["container"] == cid2
