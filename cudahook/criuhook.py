@@ -180,7 +180,7 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
         except Exception:
             starts[p.pid] = None
     try:
-        result = ctx.engine.checkpoint(found.processes)
+        result = ctx.engine.checkpoint(found.processes, fresh_states=True)
     except PhaseError as exc:
         ctx.log("checkpoint", container=cid, error=str(exc), pids=found.pids,
                 timeline=exc.result.timeline.to_dict() if exc.result else None)

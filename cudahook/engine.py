@@ -122,13 +122,27 @@ class Engine:
 
     # -- checkpoint ----------------------------------------------------------
 
-    def checkpoint(self, procs: Iterable[CudaProcess | int]) -> PhaseResult:
+    def checkpoint(self, procs: Iterable[CudaProcess | int], *,
+                   fresh_states: bool = False) -> PhaseResult:
+        """Lock all, then checkpoint all; roll back on any failure.
+
+        `fresh_states`: the processes' states were read just now (discovery
+        probes with --get-state), so they are not read again - one
+        cuda-checkpoint call per process saved. A state kept from earlier
+        must not be passed as fresh: a checkpoint twice would then act on it.
+        """
+        procs = list(procs)
         pids = sorted({_pid(p) for p in procs})
         tl = Timeline()
         res = PhaseResult("checkpoint", pids, tl)
         if not pids:
             return res
-        res.initial, errors = self.read_states(pids, tl)
+        # Discovery has just read these states (one cuda-checkpoint call each,
+        # seconds on real hardware): read only what it did not.
+        known = ({p.pid: p.state for p in procs if isinstance(p, CudaProcess) and p.state}
+                 if fresh_states else {})
+        res.initial, errors = self.read_states([p for p in pids if p not in known], tl)
+        res.initial.update(known)
         if errors:
             res.errors = errors
             raise PhaseError("checkpoint", _lines(errors), safe=True, result=res)

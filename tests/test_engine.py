@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import pytest
@@ -221,3 +222,39 @@ def test_unlock_left_to_the_caller(make_node) -> None:  # type: ignore[no-untype
     assert counters(node) == frozen
     engine.unlock(procs)
     assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)
+
+
+def test_fresh_states_from_discovery_save_a_round_of_calls(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, _ = start(node)
+    procs = find(node, engine, init.pid).processes
+    res = engine.checkpoint(procs, fresh_states=True)
+    assert res.ok and not [s for s in res.timeline.steps if s.step == "get-state"]
+    # Kept states are not fresh: the default reads again, and acts on what it reads.
+    again = engine.checkpoint(procs)
+    assert again.changed == [] and {s.step for s in again.timeline.steps} == {"get-state"}
+    engine.restore(procs)
+
+
+def test_feature_probe_runs_once_per_binary(node) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.backends.cli import CudaCheckpointCLI
+    from cudahook.host import Host
+
+    class Counting(Host):
+        helps = 0
+
+        def run(self, argv, timeout):  # type: ignore[no-untyped-def]
+            if "--help" in argv:
+                Counting.helps += 1
+            return super().run(argv, timeout)
+
+    settings = node.settings()
+    first = CudaCheckpointCLI(Counting(), settings)
+    assert first.features.device_map and Counting.helps == 1
+    second = CudaCheckpointCLI(Counting(), settings)  # the next hook invocation
+    assert second.features == first.features and Counting.helps == 1
+    node.lab.cuda_checkpoint.touch()  # an upgraded binary is probed again
+    os.utime(node.lab.cuda_checkpoint, ns=(1, 1))
+    assert CudaCheckpointCLI(Counting(), settings).features.device_map
+    assert Counting.helps == 2

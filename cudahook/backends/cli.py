@@ -8,11 +8,17 @@ which PID, which action, what exit status and what the tool printed.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import threading
+from dataclasses import asdict
+from pathlib import Path
 
 from ..config import Settings
 from ..errors import EnvironmentProblem, ToolError
 from ..host import Host
+from ..store import read_json, write_json_atomic
 from . import STATES, Features
 
 _VERSION = re.compile(r"Version\s+(\d+(?:\.\d+)*)")
@@ -42,20 +48,51 @@ class CudaCheckpointCLI:
         self.host = host
         self.path = settings.tool("cuda_checkpoint")
         self.timeout = settings.call_timeout_s
+        self.cache = Path(settings.state_dir) / "features.json"
         self._features = features
+        self._probe = threading.Lock()
 
     @property
     def features(self) -> Features:
-        if self._features is None:
-            result = self.host.run([self.path, "--help"], timeout=min(self.timeout, 30))
-            text = result.stdout + result.stderr
-            if result.returncode == 127 or not text.strip():
-                raise EnvironmentProblem(
-                    f"cuda-checkpoint not usable at {self.path}: "
-                    f"{result.stderr.strip() or 'no --help output'}"
-                )
-            self._features = parse_help(text)
-        return self._features
+        # Engine threads all ask at once: probe once. Every hook invocation is
+        # a new process, so the answer is also kept on disk for this binary.
+        with self._probe:
+            if self._features is None:
+                self._features = self._cached() or self._probe_help()
+            return self._features
+
+    def _key(self) -> list[object] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return [self.path, st.st_mtime_ns, st.st_size, st.st_ino]
+
+    def _cached(self) -> Features | None:
+        key = self._key()
+        data = read_json(self.cache)
+        if key is None or not isinstance(data, dict) or data.get("key") != key:
+            return None
+        try:
+            return Features(**data["features"])
+        except (KeyError, TypeError):
+            return None
+
+    def _probe_help(self) -> Features:
+        result = self.host.run([self.path, "--help"], timeout=min(self.timeout, 30))
+        text = result.stdout + result.stderr
+        if result.returncode == 127 or not text.strip():
+            raise EnvironmentProblem(
+                f"cuda-checkpoint not usable at {self.path}: "
+                f"{result.stderr.strip() or 'no --help output'}"
+            )
+        features = parse_help(text)
+        key = self._key()
+        if key is not None:
+            with contextlib.suppress(OSError):
+                self.cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                write_json_atomic(self.cache, {"key": key, "features": asdict(features)})
+        return features
 
     def _call(self, pid: int, action: str, args: list[str], timeout: float | None = None) -> str:
         result = self.host.run([self.path, *args, "--pid", str(pid)], timeout or self.timeout)
