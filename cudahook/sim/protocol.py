@@ -9,27 +9,19 @@ import os
 import socket
 from typing import Any, BinaryIO
 
-# CUDA driver error codes and the strings cuGetErrorString gives for them.
-CUDA_ERRORS = {
-    1: "invalid argument",
-    2: "out of memory",
-    3: "initialization error",
-    100: "no CUDA-capable device is detected",
-    101: "invalid device ordinal",
-    401: "the operation cannot be performed in the present state",
-    801: "operation not supported",
-    909: "the operation timed out",
-    999: "unknown error",
-}
-INVALID_VALUE, OUT_OF_MEMORY, NOT_INITIALIZED = 1, 2, 3
-NO_DEVICE, INVALID_DEVICE, ILLEGAL_STATE = 100, 101, 401
-NOT_SUPPORTED, TIMEOUT, UNKNOWN = 801, 909, 999
-
-
-class CudaError(Exception):
-    def __init__(self, code: int, text: str | None = None):
-        self.code = code
-        super().__init__(text or CUDA_ERRORS.get(code, "unknown error"))
+from .wire import (  # noqa: F401 - re-exported for the service and runtime
+    CUDA_ERRORS,
+    ILLEGAL_STATE,
+    INVALID_DEVICE,
+    INVALID_VALUE,
+    NO_DEVICE,
+    NOT_INITIALIZED,
+    NOT_SUPPORTED,
+    OUT_OF_MEMORY,
+    TIMEOUT,
+    UNKNOWN,
+    CudaError,
+)
 
 
 def send(out: BinaryIO, msg: dict[str, Any], payload: bytes | memoryview = b"") -> None:
@@ -78,6 +70,7 @@ def connect_unix(path: str, timeout: float | None = None) -> socket.socket:
     finally:
         os.close(dfd)
     return sock
+
 
 
 def bind_unix(path: str) -> socket.socket:

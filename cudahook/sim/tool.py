@@ -13,21 +13,12 @@ these at once on two cores, and their start-up counts against the engine.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
-from .protocol import (
-    CUDA_ERRORS,
-    INVALID_VALUE,
-    NOT_INITIALIZED,
-    UNKNOWN,
-    CudaError,
-    connect_unix,
-    recv,
-    send,
-)
+from . import wire
+from .wire import CUDA_ERRORS, INVALID_VALUE, NOT_INITIALIZED, UNKNOWN, CudaError
 
 VERSIONS = {550: "550.54.15", 555: "555.42.06", 570: "570.86.10", 580: "580.65.06"}
 
@@ -140,7 +131,7 @@ def parse_args(argv: list[str], major: int) -> dict[str, str]:
 def main(argv: list[str], sim_dir: str) -> int:
     try:
         with open(os.path.join(sim_dir, "sim.json")) as f:
-            config = json.load(f)
+            config = wire.loads(f.read())
     except OSError as exc:
         print(f"cuda-checkpoint: simulator not set up: {exc}", file=sys.stderr)
         return UNKNOWN & 0xFF
@@ -220,18 +211,17 @@ def _target(pid: int) -> tuple[str, int]:
 
 def _ask(pid: int, request: dict[str, object]) -> dict[str, object]:
     path, _ = _target(pid)
+    if not os.path.exists(path):
+        raise CudaError(NOT_INITIALIZED)  # no CUDA in that process
     try:
-        sock = connect_unix(path)
-    except OSError as exc:
-        raise CudaError(NOT_INITIALIZED) from exc  # no CUDA in that process
-    try:
-        stream = sock.makefile("rwb")
-        send(stream, request)
-        reply, _ = recv(stream)
-    except (OSError, EOFError) as exc:
+        line = wire.request(path, (wire.dumps(request) + "\n").encode())
+        if not line:
+            raise EOFError("no reply")
+        reply = wire.loads(line.decode())
+    except ConnectionRefusedError as exc:
+        raise CudaError(NOT_INITIALIZED) from exc
+    except (OSError, EOFError, ValueError) as exc:
         raise CudaError(UNKNOWN) from exc
-    finally:
-        sock.close()
     if not reply.get("ok"):
         raise CudaError(int(reply.get("code", UNKNOWN)), str(reply.get("error") or ""))
     return reply
@@ -255,6 +245,7 @@ def _inject_fault(sim_dir: str, pid: int, op: str) -> None:
     if not os.path.exists(path):
         return
     import fcntl
+    import json
 
     with open(path, "r+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
