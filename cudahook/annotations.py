@@ -7,10 +7,15 @@ create time with a one-line reason rather than surfacing at checkpoint time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .config import Settings, validate
 from .errors import ConfigError, DeviceMapError, UsageError
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 PREFIX = "cudahook.io/"
 

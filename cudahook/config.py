@@ -12,9 +12,14 @@ import shutil
 import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
 
 from .errors import ConfigError
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 DEFAULT_PATH = Path("/etc/cudahook/config.yaml")
 ENV_PATH = "CUDAHOOK_CONFIG"

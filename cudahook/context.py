@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from .backends import Backend, make_backend
+from .backends import make_backend
 from .config import Settings
 from .engine import Engine
 from .host import Host
 from .store import Store
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .backends import Backend
 
 
 @dataclass

@@ -35,7 +35,6 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from . import annotations as ann
 from . import manifest, vmm
@@ -44,6 +43,12 @@ from .criu_env import CriuCall
 from .discovery import container_pids, discover
 from .errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
 from .store import mark, read_json, write_json_atomic
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 HANDLED = ("pre-dump", "post-restore", "post-resume")
 

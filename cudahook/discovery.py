@@ -10,12 +10,17 @@ but makes every cuda-checkpoint call fail.
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .backends import CHECKPOINTED, RUNNING, Backend
+from .backends import CHECKPOINTED, RUNNING
 from .errors import CudahookError, ToolError
+from .fanout import fan_out
 from .host import Host, ProcessGone
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .backends import Backend
 
 # The CUDA driver's restore thread; R550-R554 have no query for it (gVisor's rule).
 CUDA_THREAD = re.compile(r"^cuda[0-9a-f]{11}$")
@@ -139,9 +144,7 @@ def discover(
             )
         probe = _thread_probe(host, device_pattern)
 
-    workers = max(1, min(max_parallel, len(result.candidates)))
-    with ThreadPoolExecutor(workers) as pool:
-        outcomes = list(pool.map(probe, result.candidates))
+    outcomes = fan_out(probe, result.candidates, max_parallel)
     unanswered = [(pid, why) for pid, (is_cuda, _, why) in zip(result.candidates, outcomes,
                                                               strict=True) if is_cuda is None]
     if unanswered:

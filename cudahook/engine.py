@@ -19,16 +19,23 @@ twice, and a toggle that runs twice undoes itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
-from .backends import CHECKPOINTED, LOCKED, RUNNING, Backend
+from .backends import CHECKPOINTED, LOCKED, RUNNING
 from .config import Settings
 from .discovery import CudaProcess, has_device_fd
 from .errors import EnvironmentProblem, PhaseError, ToolError
+from .fanout import fan_out
 from .host import Host, ProcessGone
 from .timeline import Timeline
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .backends import Backend
+
 
 
 @dataclass
@@ -88,12 +95,7 @@ class Engine:
             except (ToolError, ProcessGone, EnvironmentProblem) as exc:
                 failures[pid] = exc
 
-        if parallel and len(pids) > 1:
-            with ThreadPoolExecutor(min(len(pids), self.settings.max_parallel)) as pool:
-                list(pool.map(one, pids))
-        else:
-            for pid in pids:
-                one(pid)
+        fan_out(one, pids, self.settings.max_parallel if parallel else 1)
         return failures
 
     def read_state(self, pid: int) -> str:

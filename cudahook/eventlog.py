@@ -10,7 +10,12 @@ import json
 import os
 import sys
 import time
-from typing import Any
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 
 def log(path: str, event: str, *, error: str | None = None, **fields: Any) -> None:

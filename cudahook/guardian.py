@@ -14,7 +14,12 @@ import json
 import os
 import select
 import time
-from typing import Any
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 MAX_WAIT_S = 6 * 3600
 

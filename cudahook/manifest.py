@@ -8,10 +8,15 @@ processes and on which GPUs, so it is versioned and validated on read.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from .errors import CudahookError
 from .store import read_json, write_json_atomic
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 NAME = "cudahook-manifest.json"
 VERSION = 1

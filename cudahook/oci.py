@@ -12,9 +12,14 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .errors import UsageError
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 MAX_STATE = 1 << 20
 SNAPSHOT_CONTROL = "/snapshot-control"

@@ -18,9 +18,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from .errors import UsageError
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 # At most 250 characters: "<id>.json" must fit NAME_MAX (255); a longer id
 # used to end in an OSError traceback (ENAMETOOLONG) instead of a clear error.

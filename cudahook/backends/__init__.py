@@ -9,7 +9,32 @@ protocol and needs no engine change.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class Backend(Protocol):
+        name: str
+
+        @property
+        def features(self) -> Features: ...
+
+        def get_state(self, pid: int) -> str: ...
+
+        def get_restore_tid(self, pid: int) -> int: ...
+
+        def lock(self, pid: int, timeout_ms: int) -> None: ...
+
+        def checkpoint(self, pid: int) -> None: ...
+
+        def restore(self, pid: int, device_map: dict[str, str] | None = None) -> None: ...
+
+        def unlock(self, pid: int) -> None: ...
+
+        def toggle(self, pid: int) -> None: ...
+
 
 RUNNING = "running"
 LOCKED = "locked"
@@ -38,27 +63,6 @@ class Features:
         names = [n for n in ("toggle", "actions", "get_state", "restore_tid", "device_map",
                              "launch_job") if getattr(self, n)]
         return f"{self.version or 'unknown version'}: {', '.join(names) or 'nothing'}"
-
-
-class Backend(Protocol):
-    name: str
-
-    @property
-    def features(self) -> Features: ...
-
-    def get_state(self, pid: int) -> str: ...
-
-    def get_restore_tid(self, pid: int) -> int: ...
-
-    def lock(self, pid: int, timeout_ms: int) -> None: ...
-
-    def checkpoint(self, pid: int) -> None: ...
-
-    def restore(self, pid: int, device_map: dict[str, str] | None = None) -> None: ...
-
-    def unlock(self, pid: int) -> None: ...
-
-    def toggle(self, pid: int) -> None: ...
 
 
 def make_backend(settings: object, host: object) -> Backend:
