@@ -88,6 +88,10 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
     """
     explicit = path or os.environ.get(ENV_PATH)
     target = Path(explicit) if explicit else DEFAULT_PATH
+    key = _file_key(target)
+    cached = _cached(target, key)
+    if cached is not None:
+        return cached
     try:
         text = target.read_text()
     except FileNotFoundError:
@@ -108,4 +112,55 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
         data = {}
     validate(data, "config.schema.json", str(target))
     known = {f.name for f in fields(Settings)}
-    return Settings(**{k: v for k, v in data.items() if k in known})
+    settings = Settings(**{k: v for k, v in data.items() if k in known})
+    _remember(target, key, settings)
+    return settings
+
+
+# Parsing YAML and validating it takes about 50 ms, on every hook that does
+# GPU work. A file already validated, unchanged since (same inode, size and
+# mtime), is read back from a root-only cache instead.
+CACHE = Path("/run/cudahook-marks/config-cache.json")
+
+
+def _file_key(path: Path) -> list[int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _cached(path: Path, key: list[int] | None) -> Settings | None:
+    if key is None:
+        return None
+    import json
+
+    try:
+        entry = json.loads(CACHE.read_text()).get(str(path.resolve()))
+        if entry and entry["key"] == key:
+            return Settings(**entry["settings"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return None
+
+
+def _remember(path: Path, key: list[int] | None, settings: Settings) -> None:
+    if key is None:
+        return
+    import json
+    from dataclasses import asdict
+
+    try:
+        data = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+        if not isinstance(data, dict):
+            data = {}
+        data[str(path.resolve())] = {"key": key, "settings": asdict(settings)}
+        CACHE.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = CACHE.with_name(f".{CACHE.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, CACHE)
+    except (OSError, ValueError):
+        pass  # only speed is lost

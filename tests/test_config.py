@@ -47,3 +47,26 @@ def test_values_are_applied(tmp_path: Path) -> None:
     s = config.load(f)
     assert s.sequential and s.lock_timeout_ms == 250
     assert s.tool("cuda_checkpoint").endswith("/sh")  # bare names resolve on PATH
+
+
+def test_validated_files_are_cached_until_they_change(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(config, "CACHE", tmp_path / "cache.json")
+    f = tmp_path / "c.yaml"
+    f.write_text("lock_timeout_ms: 250\n")
+    assert config.load(f).lock_timeout_ms == 250
+    assert (tmp_path / "cache.json").exists()
+    calls = []
+    monkeypatch.setattr(config, "validate", lambda *a: calls.append(a))
+    assert config.load(f).lock_timeout_ms == 250 and calls == []  # from the cache
+    f.write_text("lock_timeout_ms: 500\n")  # a change: parsed and validated again
+    assert config.load(f).lock_timeout_ms == 500 and len(calls) == 1
+
+
+def test_an_invalid_file_is_never_cached(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(config, "CACHE", tmp_path / "cache.json")
+    f = tmp_path / "c.yaml"
+    f.write_text("lock_timeout_ms: soon\n")
+    for _ in range(2):
+        with pytest.raises(ConfigError):
+            config.load(f)
+    assert not (tmp_path / "cache.json").exists()
