@@ -1,0 +1,5 @@
+import sys
+
+from bench.run_all import main
+
+sys.exit(main())
