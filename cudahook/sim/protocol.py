@@ -21,6 +21,7 @@ from .wire import (  # noqa: F401 - re-exported for the service and runtime
     TIMEOUT,
     UNKNOWN,
     CudaError,
+    at_path,
 )
 
 
@@ -46,29 +47,14 @@ def recv(inp: BinaryIO) -> tuple[dict[str, Any], bytes]:
 
 
 def connect_unix(path: str, timeout: float | None = None) -> socket.socket:
-    """Connect to a Unix socket at any path length.
-
-    sun_path holds 108 bytes; paths through /proc/PID/root or pytest's tmp
-    dirs are often longer, so go through an O_PATH fd of the directory.
-    """
+    """Connect to a Unix socket at any path length."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
-    if len(path.encode()) < 100:
-        try:
-            sock.connect(path)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-    parent, name = os.path.split(path)
-    dfd = os.open(parent, os.O_PATH | os.O_DIRECTORY)
     try:
-        sock.connect(f"/proc/self/fd/{dfd}/{name}")
+        at_path(sock.connect, path)
     except BaseException:
         sock.close()
         raise
-    finally:
-        os.close(dfd)
     return sock
 
 
@@ -77,15 +63,7 @@ def bind_unix(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    if len(path.encode()) < 100:
-        sock.bind(path)
-    else:
-        parent, name = os.path.split(path)
-        dfd = os.open(parent, os.O_PATH | os.O_DIRECTORY)
-        try:
-            sock.bind(f"/proc/self/fd/{dfd}/{name}")
-        finally:
-            os.close(dfd)
+    at_path(sock.bind, path)
     sock.listen(64)
     return sock
 

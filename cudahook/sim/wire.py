@@ -35,25 +35,33 @@ class CudaError(Exception):
         super().__init__(text or CUDA_ERRORS.get(code, "unknown error"))
 
 
+def at_path(op, path: str) -> None:  # type: ignore[no-untyped-def]
+    """op(address) - a socket's connect or bind - for a path of any length.
+
+    sun_path holds 108 bytes; paths through /proc/PID/root or pytest's tmp
+    dirs are often longer, so go through an O_PATH fd of the directory.
+    """
+    if len(path.encode()) < 100:
+        op(path)
+        return
+    parent, name = os.path.split(path)
+    dfd = os.open(parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        op(f"/proc/self/fd/{dfd}/{name}")
+    finally:
+        os.close(dfd)
+
+
 def request(path: str, line: bytes, timeout: float | None = None) -> bytes:
     """Send one line to the Unix socket at `path`; its one-line reply.
 
     The C socket module directly: `socket` costs selectors and enum at
-    start-up. Paths too long for sun_path go through an O_PATH fd of the
-    directory. OSError when nothing listens there.
+    start-up. OSError when nothing listens there.
     """
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
-        if len(path.encode()) < 100:
-            sock.connect(path)
-        else:
-            parent, name = os.path.split(path)
-            dfd = os.open(parent, os.O_PATH | os.O_DIRECTORY)
-            try:
-                sock.connect(f"/proc/self/fd/{dfd}/{name}")
-            finally:
-                os.close(dfd)
+        at_path(sock.connect, path)
         sock.sendall(line)
         chunks = []
         while True:

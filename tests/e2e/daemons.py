@@ -44,7 +44,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -296,6 +296,27 @@ def runc_wrapper(path: Path | str, log: Path | str, real: str = RUNC) -> Path:
 # --------------------------------------------------------------------------- containerd
 
 
+def _launch(argv: list[str], env: dict[str, str], log: Any) -> subprocess.Popen[bytes]:
+    """A daemon in its own session, its output in its log file."""
+    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_ready(name: str, proc: subprocess.Popen[bytes], address: str,
+                ready: Callable[[], bool], timeout: float, log_tail: Callable[[], str],
+                interval: float) -> None:
+    """Until the daemon's socket exists and it answers; its log tail if it never does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise DaemonError(f"{name} exited with {proc.returncode} during start\n{log_tail()}")
+        if os.path.exists(address) and ready():
+            return
+        if time.monotonic() > deadline:
+            raise DaemonError(f"{name} not ready after {timeout}s\n{log_tail()}")
+        time.sleep(interval)
+
+
 class Containerd:
     """A private containerd 1.6 with its own root, state, socket and runc root."""
 
@@ -410,27 +431,15 @@ disabled_plugins = {json.dumps(disabled)}
             atexit.register(self.stop)  # a crashed test run still cleans up
         self.write_config()
         self._logfh = self.log.open("ab")
-        self.proc = subprocess.Popen(
-            [CONTAINERD, "--config", str(self.config)],
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._logfh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise DaemonError(
-                    f"containerd exited with {self.proc.returncode} during start\n{self.log_tail()}"
-                )
-            if os.path.exists(self.address):
-                res = self.ctr("version", check=False, timeout=5)
-                if res.returncode == 0 and "Server:" in res.stdout:
-                    return self
-            if time.monotonic() > deadline:
-                raise DaemonError(f"containerd not ready after {self.start_timeout}s\n{self.log_tail()}")
-            time.sleep(0.1)
+        self.proc = _launch([CONTAINERD, "--config", str(self.config)], self.env, self._logfh)
+
+        def ready() -> bool:
+            res = self.ctr("version", check=False, timeout=5)
+            return res.returncode == 0 and "Server:" in res.stdout
+
+        _wait_ready("containerd", self.proc, self.address, ready, self.start_timeout,
+                    self.log_tail, 0.1)
+        return self
 
     def __enter__(self) -> Containerd:
         return self.start()
@@ -719,27 +728,15 @@ class Dockerd:
             d.mkdir(parents=True, exist_ok=True)
         self.write_config()
         self._logfh = self.log.open("ab")
-        self.proc = subprocess.Popen(
-            [DOCKERD, "--config-file", str(self.config)],
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._logfh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise DaemonError(
-                    f"dockerd exited with {self.proc.returncode} during start\n{self.log_tail()}"
-                )
-            if os.path.exists(self.address):
-                res = self.docker("version", "--format", "{{.Server.Version}}", check=False, timeout=10)
-                if res.returncode == 0 and res.stdout.strip():
-                    return self
-            if time.monotonic() > deadline:
-                raise DaemonError(f"dockerd not ready after {self.start_timeout}s\n{self.log_tail()}")
-            time.sleep(0.2)
+        self.proc = _launch([DOCKERD, "--config-file", str(self.config)], self.env, self._logfh)
+
+        def ready() -> bool:
+            res = self.docker("version", "--format", "{{.Server.Version}}", check=False, timeout=10)
+            return res.returncode == 0 and bool(res.stdout.strip())
+
+        _wait_ready("dockerd", self.proc, self.address, ready, self.start_timeout,
+                    self.log_tail, 0.2)
+        return self
 
     def __enter__(self) -> Dockerd:
         return self.start()
