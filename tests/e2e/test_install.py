@@ -3,6 +3,7 @@ through the installed wrapper and hooks, the demo, and a byte-for-byte uninstall
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -62,11 +63,19 @@ def sh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
 
 
+DIRS = ["/etc/criu", "/etc/docker", "/etc/cudahook", "/var/lib/cudahook",
+        "/etc/systemd/system/containerd.service.d", "/usr/share/containers/oci/hooks.d"]
+
+
 @pytest.fixture
 def machine():  # type: ignore[no-untyped-def]
     snap = snapshot()
+    absent = [d for d in DIRS if not Path(d).exists()]
     yield snap
     put_back(snap)
+    for d in absent:  # directories this test made: gone again, if empty
+        with contextlib.suppress(OSError):
+            Path(d).rmdir()
 
 
 def test_install_and_uninstall_restore_every_byte(machine, tmp_path) -> None:  # type: ignore[no-untyped-def]
