@@ -238,41 +238,24 @@ def make_bundle(
     bundle_dir: Path | str,
     args: Sequence[str],
     *,
-    env: Sequence[str] | None = None,
     binds: Sequence[Bind] = (),
     cwd: str = "/",
-    terminal: bool = False,
-    hostname: str = "cudahook-test",
-    annotations: Mapping[str, str] | None = None,
-    own_netns: bool = True,
     host_usr: bool = True,
-    readonly_root: bool = True,
-    hooks: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    **config: Any,
 ) -> Path:
     """Write ``bundle_dir/config.json`` and ``bundle_dir/rootfs``; return ``bundle_dir``.
 
     ``binds`` are ``(host_path, container_path, readonly)``; host paths must
     exist. With ``host_usr`` the container sees the host's /usr and /etc
     read-only (so ``/usr/bin/python3`` runs); otherwise the rootfs is busybox
-    only. ``terminal=True`` needs ``runc run --console-socket``.
+    only. The other keywords are :func:`make_config`'s (``terminal=True``
+    needs ``runc run --console-socket``).
     """
     bundle = Path(bundle_dir)
     for host, _dest, _ro in binds:
         if not os.path.exists(host):
             raise FileNotFoundError(f"bind source does not exist: {host}")
-    config = make_config(
-        args,
-        env=env,
-        binds=binds,
-        cwd=cwd,
-        terminal=terminal,
-        hostname=hostname,
-        annotations=annotations,
-        own_netns=own_netns,
-        host_usr=host_usr,
-        readonly_root=readonly_root,
-        hooks=hooks,
-    )
+    config = make_config(args, binds=binds, cwd=cwd, host_usr=host_usr, **config)
     rootfs = bundle / "rootfs"
     rootfs.mkdir(parents=True, exist_ok=True)
     if host_usr:

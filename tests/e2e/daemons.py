@@ -317,7 +317,23 @@ def _wait_ready(name: str, proc: subprocess.Popen[bytes], address: str,
         time.sleep(interval)
 
 
-class Containerd:
+class _Daemon:
+    """start(): start the daemon and wait until it answers; on failure clean up
+    and raise DaemonError. Subclasses provide _start() and stop()."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self):  # type: ignore[no-untyped-def]
+        if self.proc is not None:
+            return self
+        try:
+            return self._start()  # type: ignore[attr-defined]
+        except BaseException:
+            self.stop()  # type: ignore[attr-defined]
+            raise
+
+
+class Containerd(_Daemon):
     """A private containerd 1.6 with its own root, state, socket and runc root."""
 
     def __init__(
@@ -415,15 +431,6 @@ disabled_plugins = {json.dumps(disabled)}
         self.config.write_text(toml)
         return self.config
 
-    def start(self) -> Containerd:
-        """Start containerd and wait until it answers; on failure clean up and raise DaemonError."""
-        if self.proc is not None:
-            return self
-        try:
-            return self._start()
-        except BaseException:
-            self.stop()
-            raise
 
     def _start(self) -> Containerd:
         if self.sock_dir is None:
@@ -632,7 +639,7 @@ disabled_plugins = {json.dumps(disabled)}
 # --------------------------------------------------------------------------- dockerd
 
 
-class Dockerd:
+class Dockerd(_Daemon):
     """A private dockerd 20.10 (experimental) on its own containerd, data root and socket."""
 
     def __init__(
@@ -709,15 +716,6 @@ class Dockerd:
         self.config.write_text(json.dumps(cfg, indent=2) + "\n")
         return self.config
 
-    def start(self) -> Dockerd:
-        """Start containerd + dockerd, wait until dockerd answers; on failure clean up and raise."""
-        if self.proc is not None:
-            return self
-        try:
-            return self._start()
-        except BaseException:
-            self.stop()
-            raise
 
     def _start(self) -> Dockerd:
         if self.short is None:
