@@ -10,6 +10,7 @@ the simulated CUDA workloads and any other processes beside them.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 from collections.abc import Sequence
@@ -21,6 +22,27 @@ from .lab import PKG_PARENT, SimLab, workload_argv
 
 GUEST_PKG = "/opt/cudahook"
 GUEST_SIM = "/run/cuda-sim"
+
+
+def guest_env(visible: Sequence[str]) -> list[str]:
+    """The environment of a container on the simulated GPU that sees `visible`."""
+    return [
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        f"PYTHONPATH={GUEST_PKG}",
+        f"CUDA_SIM_SOCKET={GUEST_SIM}/gpu.sock",
+        f"CUDA_SIM_STATUS_DIR={GUEST_SIM}/status",
+        "CUDA_SIM_DEV_DIR=/dev",
+        "CUDA_SIM_CTL_DIR=/dev/shm",
+        f"NVIDIA_VISIBLE_DEVICES={','.join(visible)}",
+    ]
+
+
+def guest_binds(lab: SimLab) -> list[tuple[str, str, bool]]:
+    """(host, container, read-only) binds: the package, the GPU service, the
+    device nodes at /dev/nvidia* as a real GPU container has them."""
+    binds = [(PKG_PARENT, GUEST_PKG, True), (str(lab.root), GUEST_SIM, False)]
+    binds += [(str(lab.dev / n), f"/dev/{n}", False) for n in sorted(os.listdir(lab.dev))]
+    return binds
 
 
 class RuncBox:
@@ -59,21 +81,10 @@ class RuncBox:
         """A bundle whose init runs the workloads (and `others`, shell commands)."""
         cmds = [self.workload_cmd(t, **o) for t, o in workloads] + list(others)
         script = " ".join(f"{c} &" for c in cmds) + " wait"
-        uuids = list(visible) if visible is not None else self.lab.uuids[:1]
-        env = [
-            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            f"PYTHONPATH={GUEST_PKG}",
-            f"CUDA_SIM_SOCKET={GUEST_SIM}/gpu.sock",
-            f"CUDA_SIM_STATUS_DIR={GUEST_SIM}/status",
-            "CUDA_SIM_DEV_DIR=/dev",
-            "CUDA_SIM_CTL_DIR=/dev/shm",
-            f"NVIDIA_VISIBLE_DEVICES={','.join(uuids)}",
-        ]
-        binds = [(PKG_PARENT, GUEST_PKG, True), (str(self.lab.root), GUEST_SIM, False)]
+        env = guest_env(list(visible) if visible is not None else self.lab.uuids[:1])
+        binds = guest_binds(self.lab)
         if snapshot_control is not None:
             binds.append((str(snapshot_control), "/snapshot-control", False))
-        for node in sorted(p.name for p in self.lab.dev.iterdir()):
-            binds.append((str(self.lab.dev / node), f"/dev/{node}", False))
         notes = dict(annotations or {})
         # runc hands CRIU /etc/criu/runc.conf unless this names another file ("" = none).
         if action_script != "system":

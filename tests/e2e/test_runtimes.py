@@ -35,8 +35,8 @@ from typing import Any
 import pytest
 import yaml
 
-from cudahook.sim.lab import PKG_PARENT, SimLab
-from cudahook.sim.runcbox import GUEST_PKG, GUEST_SIM
+from cudahook.sim.lab import SimLab
+from cudahook.sim.runcbox import guest_binds, guest_env
 
 from .conftest import needs_runc
 from .daemons import (
@@ -327,19 +327,8 @@ def gpu_spec(lab: SimLab, prefix: str) -> GpuSpec:
         procs = int(opts.get("procs", 1))
         tags += [tag] if procs == 1 else [f"{tag}.{i}" for i in range(procs)]
     script = " ".join(f"{c} &" for c in [*cmds, *OTHERS]) + " wait"
-    env = [
-        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        f"PYTHONPATH={GUEST_PKG}",
-        f"CUDA_SIM_SOCKET={GUEST_SIM}/gpu.sock",
-        f"CUDA_SIM_STATUS_DIR={GUEST_SIM}/status",
-        "CUDA_SIM_DEV_DIR=/dev",
-        "CUDA_SIM_CTL_DIR=/dev/shm",
-        f"NVIDIA_VISIBLE_DEVICES={lab.uuids[0]}",
-    ]
-    binds = [("/usr", "/usr", True), ("/etc", "/etc", True),
-             (PKG_PARENT, GUEST_PKG, True), (str(lab.root), GUEST_SIM, False)]
-    binds += [(str(lab.dev / n), f"/dev/{n}", False) for n in sorted(os.listdir(lab.dev))]
-    return GpuSpec(["/bin/sh", "-c", script], env, binds, tags)
+    binds = [("/usr", "/usr", True), ("/etc", "/etc", True), *guest_binds(lab)]
+    return GpuSpec(["/bin/sh", "-c", script], guest_env(lab.uuids[:1]), binds, tags)
 
 
 def comms_in_pidns(init_pid: int) -> list[str]:
