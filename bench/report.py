@@ -9,15 +9,10 @@ import json
 import sys
 from pathlib import Path
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-def fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x < 0.01:
-        return f"{x * 1000:.2f} ms"
-    if x < 1:
-        return f"{x * 1000:.0f} ms"
-    return f"{x:.2f} s"
+from bench.common import fmt_s as fmt
 
 
 def main(argv: list[str]) -> int:
