@@ -10,9 +10,10 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from . import paths
 from .errors import ConfigError
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -21,8 +22,11 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-DEFAULT_PATH = Path("/etc/cudahook/config.yaml")
 ENV_PATH = "CUDAHOOK_CONFIG"
+
+
+def default_path() -> Path:
+    return paths.at(paths.CONFIG)
 
 
 @dataclass(frozen=True)
@@ -34,8 +38,9 @@ class Settings:
     call_timeout_s: float = 300.0
     sequential: bool = False
     max_parallel: int = 64
-    state_dir: str = "/run/cudahook"
-    log_file: str = "/var/log/cudahook.log"
+    # Node paths move with CUDAHOOK_ROOT (see paths.py) unless set explicitly.
+    state_dir: str = field(default_factory=lambda: str(paths.at(paths.STATE_DIR)))
+    log_file: str = field(default_factory=lambda: str(paths.at(paths.LOG_FILE)))
     vmm_coordinator: str = "/usr/local/bin/snapshot-cuda-vmm"
     vmm_timeout_s: float = 300.0
     vmm_restore_before_unlock: bool = False
@@ -87,7 +92,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
     /etc/cudahook/config.yaml may be absent.
     """
     explicit = path or os.environ.get(ENV_PATH)
-    target = Path(explicit) if explicit else DEFAULT_PATH
+    target = Path(explicit) if explicit else default_path()
     key = _file_key(target)
     cached = _cached(target, key)
     if cached is not None:
@@ -120,7 +125,8 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
 # Parsing YAML and validating it takes about 50 ms, on every hook that does
 # GPU work. A file already validated, unchanged since (same inode, size and
 # mtime), is read back from a root-only cache instead.
-CACHE = Path("/run/cudahook-marks/config-cache.json")
+def cache_path() -> Path:
+    return paths.at(paths.MARKS_DIR) / "config-cache.json"
 
 
 def _file_key(path: Path) -> list[int] | None:
@@ -131,13 +137,18 @@ def _file_key(path: Path) -> list[int] | None:
     return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+# At most this many configuration files are remembered; the least recently
+# validated ones go first (the cache lives in /run, which is RAM).
+CACHE_ENTRIES = 8
+
+
 def _cached(path: Path, key: list[int] | None) -> Settings | None:
     if key is None:
         return None
     import json
 
     try:
-        entry = json.loads(CACHE.read_text()).get(str(path.resolve()))
+        entry = json.loads(cache_path().read_text()).get(str(path.resolve()))
         if entry and entry["key"] == key:
             return Settings(**entry["settings"])
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -149,18 +160,28 @@ def _remember(path: Path, key: list[int] | None, settings: Settings) -> None:
     if key is None:
         return
     import json
+    import time
     from dataclasses import asdict
 
+    cache = cache_path()
     try:
-        data = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+        try:
+            data = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            data = {}
         if not isinstance(data, dict):
             data = {}
-        data[str(path.resolve())] = {"key": key, "settings": asdict(settings)}
-        CACHE.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = CACHE.with_name(f".{CACHE.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, CACHE)
+        data[str(path.resolve())] = {"key": key, "settings": asdict(settings),
+                                     "at": time.time()}
+        newest = sorted(data.items(), key=lambda kv: _age_key(kv[1]))[-CACHE_ENTRIES:]
+        from .store import ensure_private_dir, write_json_atomic
+
+        ensure_private_dir(cache.parent)
+        write_json_atomic(cache, dict(newest))
     except (OSError, ValueError):
         pass  # only speed is lost
+
+
+def _age_key(entry: Any) -> float:
+    at = entry.get("at") if isinstance(entry, dict) else None
+    return at if isinstance(at, (int, float)) else 0.0

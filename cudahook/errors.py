@@ -36,6 +36,12 @@ class EnvironmentProblem(CudahookError):
     exit_code = Exit.ENVIRONMENT
 
 
+class StateError(CudahookError):
+    """cudahook's own state (directories under /run) is missing, unsafe or unusable."""
+
+    exit_code = Exit.ENVIRONMENT
+
+
 class DeviceMapError(CudahookError):
     exit_code = Exit.USAGE
 

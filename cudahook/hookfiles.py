@@ -12,6 +12,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from . import paths
+
 NAMES = ("cudahook-oci-hook", "cudahook-criu-action", "cudahook-runtime")
 
 
@@ -23,9 +25,14 @@ def templates_dir() -> Path:
 
 
 def render(name: str, python: str, config: str | None = None,
-           values: dict[str, str] | None = None) -> str:
+           values: dict[str, str] | None = None, root: str | None = None) -> str:
     """The template with its default lines replaced: PYTHON=, and any NAME= in
-    `values` (the wrapper's RUNC= and HOOK=)."""
+    `values` (the wrapper's RUNC= and HOOK=). A node root other than "/"
+    (default: $CUDAHOOK_ROOT) is baked in too: runtimes and CRIU start hooks
+    with an environment of their own."""
+    if root is None:
+        root = os.environ.get(paths.ROOT_ENV, "")
+    root = "" if root in ("", "/") else root
     out = []
     for line in (templates_dir() / name).read_text().splitlines():
         key = line.split("=", 1)[0]
@@ -37,6 +44,8 @@ def render(name: str, python: str, config: str | None = None,
             out.append(f"PYTHON={shlex.quote(python)}")
             if config:
                 out.append(f"CUDAHOOK_CONFIG={shlex.quote(config)}; export CUDAHOOK_CONFIG")
+            if root:
+                out.append(f"CUDAHOOK_ROOT={shlex.quote(root)}; export CUDAHOOK_ROOT")
             continue
         out.append(line)
     return "\n".join(out) + "\n"

@@ -8,10 +8,11 @@ Standard library only (install.sh may run it with the system Python).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from . import configure, hookfiles
+from . import configure, hookfiles, paths
 from .journal import Change, Journal
 
 
@@ -22,7 +23,7 @@ def install_changes(prefix: Path, python: str, root: str, source: Path) -> list[
     values = {"RUNC": hookfiles.real_runc(exclude=libexec / "runc-path"),
               "HOOK": str(libexec / "cudahook-oci-hook")}
     changes = [
-        Change(libexec / name, hookfiles.render(name, python, str(config), values).encode(),
+        Change(libexec / name, hookfiles.render(name, python, str(config), values, root=root).encode(),
                mode=0o755)
         for name in hookfiles.NAMES
     ]
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=("install", "uninstall"))
     p.add_argument("--prefix", required=True)
     p.add_argument("--python", default=sys.executable)
-    p.add_argument("--root", default="/")
+    p.add_argument("--root", default=os.environ.get(paths.ROOT_ENV) or "/")
     p.add_argument("--source", default=str(Path(__file__).resolve().parent.parent))
     p.add_argument("--runtime", action="append", default=[])
     p.add_argument("--default-runtime", action="store_true")

@@ -14,12 +14,14 @@ import fcntl
 import json
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import UsageError
+from . import paths
+from .errors import StateError, UsageError
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -27,25 +29,59 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-# At most 250 characters: "<id>.json" must fit NAME_MAX (255); a longer id
-# used to end in an OSError traceback (ENAMETOOLONG) instead of a clear error.
-# Marks the hooks' shell fast paths test before they start Python. Fixed, not
-# under the configurable state directory: the shell reads no configuration.
-MARKS = Path("/run/cudahook-marks")
+def marks_dir() -> Path:
+    """Marks the hooks' shell fast paths test before they start Python."""
+    return paths.at(paths.MARKS_DIR)
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """`path` as a private directory: created 0700 (parents too) when absent;
+    when present, it must be a real directory (not a symlink), owned by us and
+    writable by nobody else. The hooks run as root and these files steer what
+    they do to containers: a directory someone else controls, or a symlink to
+    one, is refused rather than used or "fixed" by a chmod through the link."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileNotFoundError:
+        ensure_private_dir(path.parent) if path.parent != path else None
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        raise StateError(f"{path}: not a directory (a symlink or a file); "
+                         "refusing to use it") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise StateError(f"{path}: owned by uid {st.st_uid}, not {os.geteuid()}; "
+                             "refusing to use it")
+        if st.st_mode & 0o022:
+            raise StateError(f"{path}: writable by group or others (mode "
+                             f"{stat.S_IMODE(st.st_mode):o}); refusing to use it")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)  # ours and safe, but readable: tighten it
+    finally:
+        os.close(fd)
+    return path
 
 
 def mark(kind: str, key: str, *, on: bool = True) -> None:
     """Set (or clear) a fast-path mark. A stale mark only costs a Python
     start; a missing one makes the shell skip work, so setting can raise."""
-    path = MARKS / kind / check_id(key)
+    path = marks_dir() / kind / check_id(key)
     if on:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(MARKS, 0o700)
-        path.touch()
+        ensure_private_dir(marks_dir())
+        ensure_private_dir(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
     else:
         path.unlink(missing_ok=True)
 
 
+# At most 250 characters: "<id>.json" must fit NAME_MAX (255); a longer id
+# used to end in an OSError traceback (ENAMETOOLONG) instead of a clear error.
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,249}$")
 
 
@@ -89,11 +125,8 @@ class Store:
         self.root = Path(state_dir)
 
     def _dir(self, name: str) -> Path:
-        d = self.root / name
-        if not d.is_dir():
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            os.chmod(self.root, 0o700)
-        return d
+        ensure_private_dir(self.root)
+        return ensure_private_dir(self.root / name)
 
     # -- container records ---------------------------------------------------
 

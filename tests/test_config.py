@@ -15,9 +15,10 @@ def test_defaults_match_the_shipped_file() -> None:
 
 
 def test_absent_default_file_means_defaults(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(config, "DEFAULT_PATH", tmp_path / "none.yaml")
+    monkeypatch.setenv("CUDAHOOK_ROOT", str(tmp_path))
     monkeypatch.delenv(config.ENV_PATH, raising=False)
     assert config.load() == Settings()
+    assert Settings().state_dir == f"{tmp_path}/run/cudahook"  # defaults move with the root
 
 
 def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
@@ -50,11 +51,12 @@ def test_values_are_applied(tmp_path: Path) -> None:
 
 
 def test_validated_files_are_cached_until_they_change(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(config, "CACHE", tmp_path / "cache.json")
+    monkeypatch.setenv("CUDAHOOK_ROOT", str(tmp_path))
     f = tmp_path / "c.yaml"
     f.write_text("lock_timeout_ms: 250\n")
     assert config.load(f).lock_timeout_ms == 250
-    assert (tmp_path / "cache.json").exists()
+    assert config.cache_path() == tmp_path / "run/cudahook-marks/config-cache.json"
+    assert config.cache_path().exists()
     calls = []
     monkeypatch.setattr(config, "validate", lambda *a: calls.append(a))
     assert config.load(f).lock_timeout_ms == 250 and calls == []  # from the cache
@@ -63,10 +65,25 @@ def test_validated_files_are_cached_until_they_change(tmp_path: Path, monkeypatc
 
 
 def test_an_invalid_file_is_never_cached(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(config, "CACHE", tmp_path / "cache.json")
+    monkeypatch.setenv("CUDAHOOK_ROOT", str(tmp_path))
     f = tmp_path / "c.yaml"
     f.write_text("lock_timeout_ms: soon\n")
     for _ in range(2):
         with pytest.raises(ConfigError):
             config.load(f)
-    assert not (tmp_path / "cache.json").exists()
+    assert not config.cache_path().exists()
+
+
+def test_the_cache_stays_small(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("CUDAHOOK_ROOT", str(tmp_path))
+    files = []
+    for i in range(3 * config.CACHE_ENTRIES):
+        f = tmp_path / f"c{i}.yaml"
+        f.write_text(f"lock_timeout_ms: {100 + i}\n")
+        assert config.load(f).lock_timeout_ms == 100 + i
+        files.append(f)
+    import json
+
+    kept = json.loads(config.cache_path().read_text())
+    assert len(kept) == config.CACHE_ENTRIES
+    assert str(files[-1].resolve()) in kept and str(files[0].resolve()) not in kept
