@@ -9,8 +9,11 @@ if [[ $(id -u) -ne 0 ]]; then
     echo "test.sh: run as root (the end-to-end tests drive runc and CRIU)" >&2
     exit 1
 fi
-bash scripts/provision-criu.sh
+# The suite's own CRIU, beside the checkout: never the node's install (which
+# install.sh --with-criu puts in /opt/cudahook/criu and --uninstall removes).
+bash scripts/provision-criu.sh --prefix "$PWD/.cache/criu" --link ""
 bash scripts/provision-runtimes.sh
 bash scripts/dev-env.sh --test
 .venv/bin/ruff check .
+export CUDAHOOK_CRIU="$PWD/.cache/criu/bin/criu"
 exec .venv/bin/python -m pytest "$@"

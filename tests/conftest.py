@@ -16,7 +16,33 @@ from cudahook.engine import Engine
 from cudahook.host import Host
 from cudahook.sim.lab import SimLab
 
+from .sandbox import Sandbox
+
 DRIVERS = [550, 555, 570, 580]
+REPO = Path(__file__).resolve().parents[1]
+
+# The suite never touches the node (tests/sandbox.py). Entered when pytest
+# imports this file, the first conftest: before any other conftest or test
+# module looks at a path, and before any thread exists (unshare needs one).
+_SANDBOX = Sandbox()
+_SANDBOX.enter()
+# The suite's CRIU (scripts/test.sh provisions it beside the checkout).
+if "CUDAHOOK_CRIU" not in os.environ and (REPO / ".cache/criu/bin/criu").exists():
+    os.environ["CUDAHOOK_CRIU"] = str(REPO / ".cache/criu/bin/criu")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    how = "private mount namespace" if _SANDBOX.private else "no namespace (not root)"
+    return f"cudahook sandbox: CUDAHOOK_ROOT={_SANDBOX.root}, {how}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def node_untouched() -> Iterator[None]:
+    """Fails the run if anything in the node's watched paths changed."""
+    yield
+    changes = _SANDBOX.changes()
+    _SANDBOX.close()
+    assert not changes, "the suite changed the node:\n" + "\n".join(changes[:50])
 
 
 class Node:

@@ -292,9 +292,11 @@ def criu_version(criu: Path | str) -> tuple[int, ...] | None:
 
 
 def find_criu(min_version: tuple[int, ...] = (4, 0)) -> Path | None:
-    """First ``criu`` (on PATH, then the provisioned prefix) at least ``min_version``."""
+    """First ``criu`` at least ``min_version``: $CUDAHOOK_CRIU, then PATH, then
+    the prefix install.sh --with-criu provides."""
     seen: set[str] = set()
-    for cand in (shutil.which("criu"), str(CRIU_LINK_DIR / "criu"), str(CRIU_PREFIX_BIN)):
+    for cand in (os.environ.get("CUDAHOOK_CRIU"), shutil.which("criu"),
+                 str(CRIU_LINK_DIR / "criu"), str(CRIU_PREFIX_BIN)):
         if not cand or cand in seen or not os.access(cand, os.X_OK):
             continue
         seen.add(cand)

@@ -18,7 +18,25 @@ from cudahook.sim.bundle import find_criu
 from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import RuncBox
 
+from ..conftest import _SANDBOX as SANDBOX
+
 CRIU = find_criu()
+
+
+def real_node_env() -> dict[str, str]:
+    """The environment for a command that must use the node's real paths
+    (install.sh registering with /etc/criu/runc.conf, which runc reads):
+    only ever inside the suite's private mount namespace."""
+    env = dict(os.environ)
+    env.pop("CUDAHOOK_ROOT", None)
+    return env
+
+
+# Tests that write the node's real paths: only where those are private.
+private_node = pytest.mark.skipif(
+    not SANDBOX.private,
+    reason="writes /etc, /usr/local and /run: only inside the suite's private mount namespace")
+
 needs_runc = [
     pytest.mark.e2e,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),

@@ -19,9 +19,9 @@ from cudahook.config import config_dir
 from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import RuncBox
 
-from .conftest import CRIU, needs_runc
+from .conftest import CRIU, needs_runc, private_node, real_node_env
 
-pytestmark = needs_runc
+pytestmark = [*needs_runc, private_node]
 
 REPO = Path(__file__).resolve().parents[2]
 WATCHED = [
@@ -60,7 +60,8 @@ def put_back(snap: dict[str, tuple[bytes, int] | None]) -> None:
 
 
 def sh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
+                          env=real_node_env())
 
 
 DIRS = ["/etc/criu", "/etc/docker", "/etc/cudahook", "/var/lib/cudahook",

@@ -38,7 +38,7 @@ import yaml
 from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import guest_binds, guest_env
 
-from .conftest import needs_runc
+from .conftest import needs_runc, private_node, real_node_env
 from .daemons import (
     CONTAINERD,
     CTR,
@@ -59,6 +59,7 @@ _MISSING = [b for b in (CONTAINERD, CTR, SHIM, DOCKERD, DOCKER, RUNC) if not os.
 
 pytestmark = [
     *needs_runc,
+    private_node,
     pytest.mark.skipif(
         bool(_MISSING), reason=f"missing {', '.join(_MISSING)} (scripts/provision-runtimes.sh)"
     ),
@@ -134,6 +135,7 @@ def missing_dirs() -> list[Path]:
 
 def sh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
+                          env=real_node_env(),
                           stdin=subprocess.DEVNULL)
 
 
