@@ -102,12 +102,12 @@ _TMP_MOUNT: dict[str, Any] = {
 }
 
 
-def _bind_mount(host: str, dest: str, readonly: bool) -> dict[str, Any]:
+def _bind_mount(host: str, dest: str, readonly: bool, recursive: bool = True) -> dict[str, Any]:
     return {
         "destination": dest,
         "type": "bind",
         "source": host,
-        "options": ["rbind", "ro" if readonly else "rw"],
+        "options": ["rbind" if recursive else "bind", "ro" if readonly else "rw"],
     }
 
 
@@ -130,8 +130,11 @@ def make_config(
         raise ValueError("args must not be empty")
     mounts = [dict(m) for m in _BASE_MOUNTS]
     if host_usr:
-        mounts.append(_bind_mount("/usr", "/usr", True))
-        mounts.append(_bind_mount("/etc", "/etc", True))
+        # Not recursive: whatever is mounted below the host's /usr or /etc
+        # (an overlay, another tool's private view) is not the container's
+        # business, and CRIU would have to dump and re-create it on restore.
+        mounts.append(_bind_mount("/usr", "/usr", True, recursive=False))
+        mounts.append(_bind_mount("/etc", "/etc", True, recursive=False))
     mounts.append(dict(_TMP_MOUNT))
     for host, dest, readonly in binds:
         if not os.path.isabs(host) or not os.path.isabs(dest):

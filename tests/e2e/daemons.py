@@ -511,7 +511,7 @@ disabled_plugins = {json.dumps(disabled)}
         args = ["run", "-d", "--null-io", "--snapshotter", self.snapshotter]
         args += ["--runc-root", str(self.runc_root)]
         for host, dest, ro in mounts:
-            args += ["--mount", f"type=bind,src={host},dst={dest},options=rbind:{'ro' if ro else 'rw'}"]
+            args += ["--mount", f"type=bind,src={host},dst={dest},options=bind:{'ro' if ro else 'rw'}"]
         args += [*extra, image, cid, *cmd]
         self.ctr(*args)
         return self.task_pid(cid)

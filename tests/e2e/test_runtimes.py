@@ -416,8 +416,9 @@ def test_docker_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) 
     with Dockerd(tmp_path / "dockerd", extra_config={"runtimes": runtimes}) as d:
         name = d.load_image(image)
         args = ["run", "-d", "--runtime", "cudahook", "--network", "none"]
-        for host, dest, ro in spec.binds:
-            args += ["-v", f"{host}:{dest}:{'ro' if ro else 'rw'}"]
+        for host, dest, ro in spec.binds:  # not recursive, as RuncBox's binds
+            args += ["--mount", f"type=bind,source={host},target={dest},bind-nonrecursive=true"
+                     + (",readonly" if ro else "")]
         for e in spec.env:
             args += ["-e", e]
         cid = d.docker(*args, name, *spec.cmd).stdout.strip()
