@@ -54,7 +54,7 @@ done
 installer() {  # the journaled file changes, with whichever Python is there
     local py=$PY
     [[ -x $PREFIX/venv/bin/python ]] && py=$PREFIX/venv/bin/python
-    PYTHONPATH=$SRC "$py" -I -c 'import sys; sys.path.insert(0, sys.argv.pop(1)); from cudahook.installer import main; sys.exit(main())' "$SRC" "$@"
+    PYTHONPATH=$SRC "$py" -I -c 'import sys; sys.path.insert(0, sys.argv.pop(1)); from cudahook.admin.installer import main; sys.exit(main())' "$SRC" "$@"
 }
 
 if ((UNINSTALL)); then

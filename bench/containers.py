@@ -15,7 +15,7 @@ class Install:
     and log_file are there too; and a criu.conf that registers the action script."""
 
     def __init__(self, tmp: Path, *, prototype: bool = False):
-        from cudahook import hookfiles
+        from cudahook.admin import hookfiles
 
         self.dir = tmp
         tmp.mkdir(parents=True, exist_ok=True)

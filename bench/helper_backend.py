@@ -16,9 +16,10 @@ import threading
 import time
 from pathlib import Path
 
-from cudahook.backends import STATES, Features
-from cudahook.backends.cli import parse_help
-from cudahook.errors import ToolError
+from cudahook.core.backends.cli import parse_help
+
+from cudahook.core.backends import STATES, Features
+from cudahook.platform.errors import ToolError
 
 
 class OneAttachBackend:

@@ -14,7 +14,7 @@ Variants (all launched with posix_spawn + waitpid, stdio /dev/null):
 Second part, interpreter start-up of an action that does GPU work (same
 interpreter for all; `-I` as the hooks run it):
   py-pass          <venv python> -I -c pass
-  py-import-hook   <venv python> -I -c 'import cudahook.criuhook'
+  py-import-hook   <venv python> -I -c 'import cudahook.hooks.criu_action'
   py-hook-prelude  + config.load(<yaml>) (what main() does before any tool call)
   py-pass-S        <venv python> -I -S -c pass  (no site: no .pth processing)
 
@@ -88,7 +88,7 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
     reps = reps_of(args)
     res = Result("P1", TITLE)
     with tmpdir("p1") as tmp:
-        from cudahook import hookfiles
+        from cudahook.admin import hookfiles
 
         state = tmp / "state"
         cfg = write_config(tmp / "cudahook.yaml", state_dir=str(state),
@@ -164,27 +164,27 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
             py_reps = reps
             pyv = {
                 "py-pass": sp([PYTHON, "-I", "-c", "pass"]),
-                "py-import-hook": sp([PYTHON, "-I", "-c", "import cudahook.criuhook"]),
+                "py-import-hook": sp([PYTHON, "-I", "-c", "import cudahook.hooks.criu_action"]),
                 "py-hook-prelude": sp([PYTHON, "-I", "-c",
-                                       "import cudahook.criuhook; from cudahook import config; "
+                                       "import cudahook.hooks.criu_action; from cudahook import config; "
                                        f"config.load({str(cfg)!r})"]),
                 "py-pass-S": sp([PYTHON, "-I", "-S", "-c", "pass"]),
                 # What two fixes would give (evidence for docs/performance.md):
                 "py-import-hook-S": sp([PYTHON, "-I", "-S", "-c",
                                         f"import sys; sys.path.insert(0, {REPO_S!r}); "
-                                        "import cudahook.criuhook"]),
+                                        "import cudahook.hooks.criu_action"]),
                 "py-prelude-novalidate": sp([PYTHON, "-I", "-c",
-                                             "import cudahook.criuhook, yaml; "
-                                             "from cudahook.config import Settings; "
+                                             "import cudahook.hooks.criu_action, yaml; "
+                                             "from cudahook.platform.config import Settings; "
                                              f"Settings(**yaml.load(open({str(cfg)!r}), "
                                              "Loader=yaml.CSafeLoader))"]),
             }
             pdescr = {
                 "py-pass": f"{PYTHON} -I -c pass",
-                "py-import-hook": "-I -c 'import cudahook.criuhook'",
-                "py-hook-prelude": "import cudahook.criuhook + config.load(yaml): before any tool call",
+                "py-import-hook": "-I -c 'import cudahook.hooks.criu_action'",
+                "py-hook-prelude": "import the CRIU action + config.load(yaml): before any tool call",
                 "py-pass-S": "-I -S -c pass (no site, no .pth files)",
-                "py-import-hook-S": "-I -S, sys.path set by the script, import cudahook.criuhook",
+                "py-import-hook-S": "-I -S, sys.path set by the script, import cudahook.hooks.criu_action",
                 "py-prelude-novalidate": "import criuhook + YAML (C loader) without jsonschema "
                                          "validation",
             }
@@ -211,11 +211,11 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
         res.ratio("python -S pass / python pass", "py-pass-S", "py-pass", None, headline=False)
 
         # Where the time goes.
-        res.extra["importtime_hook"] = importtime_top("import cudahook.criuhook", 15)
+        res.extra["importtime_hook"] = importtime_top("import cudahook.hooks.criu_action", 15)
         res.extra["importtime_prelude"] = importtime_top(
-            f"import cudahook.criuhook; from cudahook import config; config.load({str(cfg)!r})", 15)
+            f"import cudahook.hooks.criu_action; from cudahook import config; config.load({str(cfg)!r})", 15)
         res.extra["importtime_pass"] = importtime_top("pass", 8)
-        mods = new_modules(f"import cudahook.criuhook; from cudahook import config; "
+        mods = new_modules(f"import cudahook.hooks.criu_action; from cudahook import config; "
                            f"config.load({str(cfg)!r})")
         res.extra["modules_prelude"] = mods
         res.extra["modules_prelude_count"] = len(mods)

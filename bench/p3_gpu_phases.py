@@ -63,7 +63,7 @@ TITLE = "GPU phases (checkpoint, restore) at N = 1, 8, 32 CUDA processes"
 
 
 def _host_cls():  # type: ignore[no-untyped-def]
-    from cudahook.host import Host
+    from cudahook.platform.host import Host
 
     class CountingHost(Host):
         """Counts tool calls by kind (--help, --get-state, --action X)."""
@@ -99,8 +99,9 @@ def step_spans(timeline) -> dict[str, dict[str, float]]:  # type: ignore[no-unty
 
 
 def run(args) -> Result:  # type: ignore[no-untyped-def]
-    from cudahook.backends.cli import CudaCheckpointCLI, parse_help
-    from cudahook.engine import Engine
+    from cudahook.core.backends.cli import CudaCheckpointCLI, parse_help
+
+    from cudahook.core.engine import Engine
     from cudahook.sim.lab import SimLab
 
     reps = reps_of(args)

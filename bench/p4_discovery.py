@@ -12,8 +12,8 @@ them all); it is started and stopped between blocks of measurements, and
 blocks alternate (none, crowd, crowd, none, ...) so drift cancels.
 
 Variants, each the median over many calls within a block:
-  container_pids  cudahook.discovery.container_pids(host, init)   (cgroup scope)
-  discover        cudahook.discovery.discover(...)  (+ device-fd filter of the 50)
+  container_pids  cudahook.core.discovery.container_pids(host, init)   (cgroup scope)
+  discover        cudahook.core.discovery.discover(...)  (+ device-fd filter of the 50)
   pidns-scan      container_pids for the container without its own cgroup
 
 Target: discover with crowd / without <= 1.2.
@@ -151,7 +151,7 @@ def start_container(n: int, cgroup: bool):  # type: ignore[no-untyped-def]
 
 
 def _children(ppid: int) -> list[int]:
-    from cudahook.host import Host
+    from cudahook.platform.host import Host
 
     h = Host()
     out = []
@@ -178,8 +178,8 @@ def _ns_members(init: int) -> list[int]:
 
 
 def run(args) -> Result:  # type: ignore[no-untyped-def]
-    from cudahook.discovery import container_pids, discover
-    from cudahook.host import Host
+    from cudahook.core.discovery import container_pids, discover
+    from cudahook.platform.host import Host
     from cudahook.sim.lab import SimLab
 
     blocks = reps_of(args)
@@ -195,7 +195,7 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
 
     host = Host()
     settings = SimLab("/nonexistent").settings()  # device pattern; no tool is ever called
-    from cudahook.backends.cli import CudaCheckpointCLI
+    from cudahook.core.backends.cli import CudaCheckpointCLI
     backend = CudaCheckpointCLI(host, settings)
     regex = settings.device_regex
 

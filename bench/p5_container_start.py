@@ -118,8 +118,8 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
             })
             # What the poststop path imports for a container it never recorded.
             probe = subprocess.run(
-                [PYTHON, "-I", "-c", "import sys; b=set(sys.modules); import cudahook.ocihook as o, "
-                 "cudahook.config as c; c.load(sys.argv[1]); print(len(set(sys.modules)-b), "
+                [PYTHON, "-I", "-c", "import sys; b=set(sys.modules); import cudahook.hooks.oci_hook as o, "
+                 "cudahook.platform.config as c; c.load(sys.argv[1]); print(len(set(sys.modules)-b), "
                  "sorted({m.split('.')[0] for m in set(sys.modules)-b}))", str(inst.config)],
                 capture_output=True, text=True, timeout=60)
             res.extra["poststop_imports"] = probe.stdout.strip()

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cudahook.core.backends.cli import CudaCheckpointCLI
 
-from cudahook.backends.cli import CudaCheckpointCLI
-from cudahook.engine import Engine
-from cudahook.host import Host
+from cudahook.core.engine import Engine
+from cudahook.platform.host import Host
 from cudahook.sim.lab import SimLab
 
 from .sandbox import Sandbox

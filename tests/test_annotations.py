@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cudahook import annotations as ann
-from cudahook.config import Settings
-from cudahook.errors import UsageError
+from cudahook.hooks import annotations as ann
+from cudahook.platform.config import Settings
+from cudahook.platform.errors import UsageError
 
 U0 = "GPU-11111111-2222-3333-4444-555555555555"
 U1 = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from cudahook import config
-from cudahook.config import Settings
-from cudahook.errors import ConfigError
+from cudahook.platform import config
+from cudahook.platform.config import Settings
+from cudahook.platform.errors import ConfigError
 
 
 def test_defaults_match_the_shipped_file() -> None:

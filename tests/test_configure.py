@@ -11,9 +11,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from cudahook.config import config_dir
-from cudahook.configure import ConfigureError, configure
-from cudahook.journal import Change, Journal
+from cudahook.admin.configure import ConfigureError, configure
+from cudahook.admin.journal import Change, Journal
+from cudahook.platform.config import config_dir
 
 HOOKS = Path("/opt/cudahook/libexec")
 

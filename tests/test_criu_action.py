@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
-from cudahook import criu_env, hookfiles, manifest
-from cudahook.errors import UsageError
+from cudahook.admin import hookfiles
+from cudahook.core import manifest
+from cudahook.hooks import criu_env
+from cudahook.platform.errors import UsageError
+from cudahook.platform.store import mark
 from cudahook.sim.lab import wait_for
-from cudahook.store import mark
 
 from .conftest import Node
 
@@ -112,7 +114,7 @@ def test_handled_actions_start_python_only_when_cuda_state_may_be_involved(
 def test_python_entry_point_without_action_is_a_usage_error() -> None:
     """Past the shell (not reachable through the script), main() refuses a bare run."""
     r = subprocess.run([sys.executable, "-I", "-c",
-                        "import sys; from cudahook.criuhook import main; sys.exit(main())"],
+                        "import sys; from cudahook.hooks.criu_action import main; sys.exit(main())"],
                        env=SCRUBBED, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "CRTOOLS_SCRIPT_ACTION is not set" in r.stderr

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudahook.devicemap import compute_device_map, parse_device_map
-from cudahook.errors import DeviceMapError
+from cudahook.core.devicemap import compute_device_map, parse_device_map
+from cudahook.platform.errors import DeviceMapError
 
 
 def g(n: int) -> str:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cudahook.discovery import container_pids, discover
-from cudahook.host import Host
+from cudahook.core.discovery import container_pids, discover
+from cudahook.platform.host import Host
 
 from .conftest import requires_root, requires_unshare
 
@@ -147,7 +147,7 @@ def test_device_pattern_is_configurable(node) -> None:  # type: ignore[no-untype
 def test_a_process_that_does_not_answer_is_an_error_not_skipped(node) -> None:  # type: ignore[no-untyped-def]
     """A stopped CUDA process makes cuda-checkpoint hang: discovery must fail,
     not classify it as "not CUDA" and let CRIU dump it with its GPU state."""
-    from cudahook.discovery import DiscoveryError
+    from cudahook.core.discovery import DiscoveryError
 
     init = node.spawn_tree(("a", {"mib": 1}), ("b", {"mib": 1}))
     node.lab.wait_counter("a")

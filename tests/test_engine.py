@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from cudahook.discovery import discover
-from cudahook.errors import EnvironmentProblem, Exit, PhaseError
+from cudahook.core.discovery import discover
+from cudahook.platform.errors import EnvironmentProblem, Exit, PhaseError
 
 from .conftest import DRIVERS
 
@@ -238,8 +238,9 @@ def test_fresh_states_from_discovery_save_a_round_of_calls(make_node) -> None:  
 
 
 def test_feature_probe_runs_once_per_binary(node) -> None:  # type: ignore[no-untyped-def]
-    from cudahook.backends.cli import CudaCheckpointCLI
-    from cudahook.host import Host
+    from cudahook.core.backends.cli import CudaCheckpointCLI
+
+    from cudahook.platform.host import Host
 
     class Counting(Host):
         helps = 0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cudahook.host import Host, ProcessGone
+from cudahook.platform.host import Host, ProcessGone
 
 
 def test_run_captures_output_and_status() -> None:

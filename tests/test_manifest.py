@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from cudahook import manifest
-from cudahook.manifest import ManifestError
+from cudahook.core import manifest
+from cudahook.core.manifest import ManifestError
 
 DATA = {
     "container_id": "gpu-1",

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from cudahook import oci
-from cudahook.errors import UsageError
-from cudahook.gpus import Gpu
+from cudahook.core.gpus import Gpu
+from cudahook.hooks import oci
+from cudahook.platform.errors import UsageError
 
 U0 = "GPU-11111111-2222-3333-4444-555555555555"
 U1 = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from cudahook import hookfiles
-from cudahook.host import Host
+from cudahook.admin import hookfiles
+from cudahook.platform.host import Host
 from cudahook.sim.lab import SimLab
 
 U0 = "GPU-11111111-2222-3333-4444-555555555555"
@@ -147,7 +147,7 @@ def test_missing_config_json_stops_the_container(hook: Hook) -> None:
 
 PROBE = """
 import json, sys
-from cudahook.ocihook import main
+from cudahook.hooks.oci_hook import main
 rc = main(["createRuntime"])
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("jsonschema", "yaml", "referencing"))
 print(json.dumps([rc, heavy]))

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cudahook.core.backends.cli import parse_help
 
-from cudahook.backends.cli import parse_help
 from cudahook.sim.tool import help_text
 
 from .conftest import DRIVERS

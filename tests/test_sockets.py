@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cudahook import sockets
+from cudahook.vmm import sockets
 
 
 @pytest.fixture

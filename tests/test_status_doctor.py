@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from cudahook.configure import configure
-from cudahook.store import Store
+from cudahook.admin.configure import configure
+from cudahook.platform.store import Store
 
 
 def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cudahook.errors import UsageError
-from cudahook.store import Store, check_id, read_json, write_json_atomic
+from cudahook.platform.errors import UsageError
+from cudahook.platform.store import Store, check_id, read_json, write_json_atomic
 
 PKG = str(Path(__file__).resolve().parent.parent)
 
@@ -123,7 +123,7 @@ def test_traversal_touches_nothing_outside(tmp_path: Path, cid: str) -> None:
 WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {pkg!r})
-    from cudahook.store import Store
+    from cudahook.platform.store import Store
     s = Store(sys.argv[1])
     me, n = sys.argv[2], int(sys.argv[3])
     pad = "x" * 40000
@@ -199,7 +199,7 @@ def test_threads_writing_one_file_unlocked_stay_atomic(tmp_path: Path) -> None:
 HOLDER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {pkg!r})
-    from cudahook.store import Store
+    from cudahook.platform.store import Store
     root, cid, log, hold = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "hold"
     def note(what):
         with open(log, "a") as f:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cudahook import hookfiles
-from cudahook.wrapper import add_hooks, bundle_of, split
+from cudahook.admin import hookfiles
+from cudahook.hooks.runtime_wrapper import add_hooks, bundle_of, split
 
 
 def test_split_global_options_command_and_args() -> None:

@@ -8,7 +8,7 @@ CUDAHOOK_CONFIG=@CONFIG@; export CUDAHOOK_CONFIG
 STATE=@STATE@
 DEVS="/dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools /dev/nvidia[0-9]*"
 
-gpu() { exec "$PYTHON" -I -c 'import sys; from cudahook.criuhook import main; sys.exit(main())'; }
+gpu() { exec "$PYTHON" -I -c 'import sys; from cudahook.hooks.criu_action import main; sys.exit(main())'; }
 
 # Does any process of the init's own cgroup hold an NVIDIA device node open?
 # Only shell builtins: `read`, globbing and `test -ef` (same device+inode).

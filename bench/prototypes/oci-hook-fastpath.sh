@@ -9,7 +9,7 @@ STATE=@STATE@
 # runc writes the state as one JSON line without a newline.
 IFS= read -r state || :
 gpu() {
-    printf '%s' "$state" | "$PYTHON" -I -c 'import sys; from cudahook.ocihook import main; sys.exit(main(sys.argv[1:]))' "$@"
+    printf '%s' "$state" | "$PYTHON" -I -c 'import sys; from cudahook.hooks.oci_hook import main; sys.exit(main(sys.argv[1:]))' "$@"
     exit $?
 }
 field() { v=${state#*\"$1\":\"}; [ "$v" = "$state" ] && v= ; v=${v%%\"*}; }

@@ -14,10 +14,11 @@ import subprocess
 import tempfile
 import time
 
-from ..chart import render
-from ..discovery import discover
-from ..engine import Engine
-from ..host import Host
+from cudahook.admin.chart import render
+from cudahook.core.discovery import discover
+from cudahook.core.engine import Engine
+from cudahook.platform.host import Host
+
 from .lab import SimLab
 
 TAGS = ["trainer", "ranks.0", "ranks.1", "ranks.2"]
@@ -52,7 +53,7 @@ def run(lab: SimLab, init_pid: int) -> int:
         lab.wait_counter(t, 3)
     settings = lab.settings()
     host = Host()
-    from ..backends.cli import CudaCheckpointCLI
+    from cudahook.core.backends.cli import CudaCheckpointCLI
 
     engine = Engine(CudaCheckpointCLI(host, settings), settings, host)
     say(f"discovering CUDA processes under PID {init_pid}")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import Settings
+from cudahook.platform.config import Settings
 
 PKG_PARENT = str(Path(__file__).resolve().parent.parent.parent)
 _NS = uuid.UUID("6f1c4a52-7d8e-4b1a-9c53-2a7e9d0c1b44")

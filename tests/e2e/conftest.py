@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cudahook import hookfiles
+from cudahook.admin import hookfiles
 from cudahook.sim.bundle import find_criu
 from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import RuncBox

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cudahook import manifest
+from cudahook.core import manifest
 
 from .conftest import needs_runc, tree_digest
 

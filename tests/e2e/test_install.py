@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import yaml
 
-from cudahook.config import config_dir
+from cudahook.platform.config import config_dir
 from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import RuncBox
 

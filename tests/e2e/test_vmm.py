@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cudahook import manifest
+from cudahook.core import manifest
 
 from .conftest import needs_runc, tree_digest
 

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cudahook.backends.cli import CudaCheckpointCLI
-from cudahook.config import Settings
-from cudahook.engine import Engine
-from cudahook.host import Host
+from cudahook.core.backends.cli import CudaCheckpointCLI
+
+from cudahook.core.engine import Engine
+from cudahook.platform.config import Settings
+from cudahook.platform.host import Host
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = Path(__file__).resolve().with_name("workloads.py")
@@ -165,7 +166,7 @@ def compute_apps(smi: str, timeout: float = 30) -> tuple[dict[int, int] | None, 
 
 
 def gpu_rows(smi: str) -> tuple[list[dict[str, str]], str]:
-    """nvidia-smi's GPU rows (the fields cudahook.gpus reads) and the raw text."""
+    """nvidia-smi's GPU rows (the fields cudahook.core.gpus reads) and the raw text."""
     names = ["index", "uuid", "name", "memory.total", "driver_version", "persistence_mode"]
     argv = [smi, f"--query-gpu={','.join(names)}", "--format=csv,noheader,nounits"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=30)

@@ -49,9 +49,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from cudahook.backends.cli import parse_help  # noqa: E402
-from cudahook.discovery import CUDA_THREAD  # noqa: E402
-from cudahook.host import Host, RunResult  # noqa: E402
+from cudahook.core.backends.cli import parse_help  # noqa: E402
+from cudahook.core.discovery import CUDA_THREAD  # noqa: E402
+from cudahook.platform.host import Host, RunResult  # noqa: E402
 from cudahook.sim import tool as simtool  # noqa: E402
 from cudahook.sim.protocol import (  # noqa: E402
     CUDA_ERRORS,

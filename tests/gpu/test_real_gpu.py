@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from cudahook.core.backends.cli import CudaCheckpointCLI
 
-from cudahook.backends import CHECKPOINTED, RUNNING
-from cudahook.backends.cli import CudaCheckpointCLI
-from cudahook.discovery import discover
-from cudahook.engine import PhaseResult
-from cudahook.errors import EnvironmentProblem, PhaseError
-from cudahook.host import Host
+from cudahook.core.backends import CHECKPOINTED, RUNNING
+from cudahook.core.discovery import discover
+from cudahook.core.engine import PhaseResult
+from cudahook.platform.errors import EnvironmentProblem, PhaseError
+from cudahook.platform.host import Host
 
 from .gpulib import (
     ENV_SIM,

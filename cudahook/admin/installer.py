@@ -12,7 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import configure, hookfiles, paths
+from cudahook.platform import paths
+
+from . import configure, hookfiles
 from .journal import Change, Journal
 
 
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", required=True)
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--root", default=os.environ.get(paths.ROOT_ENV) or "/")
-    p.add_argument("--source", default=str(Path(__file__).resolve().parent.parent))
+    p.add_argument("--source", default=str(Path(__file__).resolve().parents[2]))
     p.add_argument("--runtime", action="append", default=[])
     p.add_argument("--default-runtime", action="store_true")
     p.add_argument("--dry-run", action="store_true")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import DeviceMapError
+from cudahook.platform.errors import DeviceMapError
 
 _UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
 

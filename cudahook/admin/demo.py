@@ -24,7 +24,7 @@ def say(text: str) -> None:
 
 
 def main(processes_only: bool = False) -> int:
-    from .sim.bundle import find_criu
+    from cudahook.sim.bundle import find_criu
 
     criu = find_criu()
     if processes_only or os.geteuid() != 0 or not shutil.which("runc") or criu is None:
@@ -32,7 +32,7 @@ def main(processes_only: bool = False) -> int:
             why = ("not root" if os.geteuid() != 0 else "runc not found" if not shutil.which("runc")
                    else "no CRIU >= 4.0 (./install.sh --with-criu)")
             say(f"container demo unavailable ({why}): running the process-level demo")
-        from .sim.demo import main as process_demo
+        from cudahook.sim.demo import main as process_demo
 
         return process_demo()
     with tempfile.TemporaryDirectory(prefix="cudahook-demo-") as tmp:
@@ -42,9 +42,11 @@ def main(processes_only: bool = False) -> int:
 def run(tmp: Path, criu: Path) -> int:
     import yaml
 
-    from . import hookfiles, manifest
-    from .sim.lab import SimLab
-    from .sim.runcbox import RuncBox
+    from cudahook.core import manifest
+    from cudahook.sim.lab import SimLab
+    from cudahook.sim.runcbox import RuncBox
+
+    from . import hookfiles
 
     lab = SimLab(tmp / "node", driver=580, gpus=2, attach_latency_s=0.2, bandwidth_mib_s=4000)
     say(f"simulated GPU node: driver {lab.config['driver_version']}, GPUs "

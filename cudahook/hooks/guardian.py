@@ -47,9 +47,10 @@ def _frozen(ctx: Any, pid: int) -> bool:
 
 
 def main(arg: str) -> int:
-    from .config import Settings
+    from cudahook.platform.config import Settings
+    from cudahook.platform.errors import CudahookError
+
     from .context import Context
-    from .errors import CudahookError
 
     args = json.loads(arg)
     ctx = Context(Settings(**args["settings"]))

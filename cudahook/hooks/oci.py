@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
+from cudahook.platform.errors import UsageError
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -51,7 +51,7 @@ def validate_state(state: dict[str, Any]) -> None:
     from referencing import Registry, Resource
     from referencing.jsonschema import DRAFT4
 
-    from .config import config_dir
+    from cudahook.platform.config import config_dir
 
     base = config_dir() / "oci"
     schema = json.loads((base / "state-schema.json").read_text())

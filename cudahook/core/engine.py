@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from cudahook.platform.config import Settings
+from cudahook.platform.errors import EnvironmentProblem, PhaseError, ToolError
+from cudahook.platform.host import Host, ProcessGone
+
 from .backends import CHECKPOINTED, LOCKED, RUNNING
-from .config import Settings
 from .discovery import CudaProcess, has_device_fd
-from .errors import EnvironmentProblem, PhaseError, ToolError
 from .fanout import fan_out
-from .host import Host, ProcessGone
 from .timeline import Timeline
 
 # typing costs milliseconds at every hook start: annotations only.

@@ -63,7 +63,7 @@ class Settings:
 
 def config_dir() -> Path:
     """Where the shipped defaults and schemas live (source tree or installed)."""
-    here = Path(__file__).resolve().parent.parent / "config"
+    here = Path(__file__).resolve().parents[2] / "config"
     if here.is_dir():
         return here
     return Path(sys.prefix) / "share" / "cudahook" / "config"

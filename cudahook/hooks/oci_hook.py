@@ -12,10 +12,11 @@ import contextlib
 import sys
 import time
 
+from cudahook.platform.errors import CudahookError, Exit, UsageError
+from cudahook.platform.store import mark
+
 from . import annotations as ann
 from . import oci
-from .errors import CudahookError, Exit, UsageError
-from .store import mark
 
 CREATE_STAGES = ("prestart", "createRuntime", "createContainer", "startContainer")
 STAGES = (*CREATE_STAGES, "poststart", "poststop")
@@ -43,9 +44,10 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
     if opts.enabled is False or not (info.wants_gpu or opts.enabled):
         return Exit.OK
     oci.validate_state(state)
-    from . import config
+    from cudahook.platform import config
+    from cudahook.platform.store import check_id
+
     from .context import Context
-    from .store import check_id
 
     ctx = Context(config.load())
     cid = check_id(state["id"])
@@ -79,8 +81,8 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
 
 
 def on_poststop(state: dict) -> int:  # type: ignore[type-arg]
-    from . import config
-    from .store import Store, check_id
+    from cudahook.platform import config
+    from cudahook.platform.store import Store, check_id
 
     settings = config.load()
     store = Store(settings.state_dir)
@@ -91,11 +93,11 @@ def on_poststop(state: dict) -> int:  # type: ignore[type-arg]
     if record is None:
         return Exit.OK
     if record.get("snapshot_control"):
-        from .sockets import remove_stale_sockets
+        from cudahook.vmm.sockets import remove_stale_sockets
 
         remove_stale_sockets(record["snapshot_control"])
     store.delete(cid)
-    from .eventlog import log
+    from cudahook.platform.eventlog import log
 
     log(settings.log_file, "oci-poststop", container=cid)
     return Exit.OK

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from cudahook.hooks.context import Context
+
 from .chart import render as chart
-from .context import Context
 
 
 def gather(ctx: Context, *, live: bool = True) -> dict[str, Any]:
@@ -33,8 +34,8 @@ def gather(ctx: Context, *, live: bool = True) -> dict[str, Any]:
 
 
 def _processes(ctx: Context, init_pid: int) -> list[dict[str, Any]]:
-    from .discovery import discover
-    from .errors import CudahookError
+    from cudahook.core.discovery import discover
+    from cudahook.platform.errors import CudahookError
 
     try:
         found = discover(ctx.host, ctx.backend, init_pid, ctx.settings.device_regex,
@@ -78,7 +79,7 @@ def render(data: dict[str, Any]) -> str:
 def manifest_chart(image_dir: str) -> str:
     from pathlib import Path
 
-    from .manifest import read
+    from cudahook.core.manifest import read
 
     data = read(Path(image_dir))
     if data is None:

@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from .backends import make_backend
-from .config import Settings
-from .engine import Engine
-from .host import Host
-from .store import Store
+from cudahook.core.backends import make_backend
+from cudahook.core.engine import Engine
+from cudahook.platform.config import Settings
+from cudahook.platform.host import Host
+from cudahook.platform.store import Store
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from .backends import Backend
+    from cudahook.core.backends import Backend
 
 
 @dataclass
@@ -35,6 +35,6 @@ class Context:
         return Engine(self.backend, self.settings, self.host)
 
     def log(self, event: str, **fields: object) -> None:
-        from .eventlog import log
+        from cudahook.platform.eventlog import log
 
         log(self.settings.log_file, event, **fields)  # type: ignore[arg-type]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Settings
-from .errors import EnvironmentProblem
-from .host import Host
+from cudahook.platform.config import Settings
+from cudahook.platform.errors import EnvironmentProblem
+from cudahook.platform.host import Host
 
 FIELDS = "index,uuid,name,memory.total,driver_version,persistence_mode"
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from cudahook.platform.errors import CudahookError, ToolError
+from cudahook.platform.host import Host, ProcessGone
+
 from .backends import CHECKPOINTED, RUNNING
-from .errors import CudahookError, ToolError
 from .fanout import fan_out
-from .host import Host, ProcessGone
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Settings, validate
-from .errors import ConfigError, DeviceMapError, UsageError
+from cudahook.platform.config import Settings, validate
+from cudahook.platform.errors import ConfigError, DeviceMapError, UsageError
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -45,7 +45,7 @@ class Options:
 def _known() -> list[str]:
     import json
 
-    from .config import config_dir
+    from cudahook.platform.config import config_dir
 
     return list(json.loads((config_dir() / "annotations.schema.json").read_text())["properties"])
 
@@ -90,7 +90,7 @@ def parse(annotations: dict[str, str] | None) -> Options:
     except Exception as exc:  # ConfigError, reworded for where the value came from
         raise UsageError(str(exc).replace("annotation: ", f"annotation {PREFIX}", 1)) from None
     if "device-map" in raw:
-        from .devicemap import parse_device_map
+        from cudahook.core.devicemap import parse_device_map
 
         try:
             parse_device_map(raw["device-map"])

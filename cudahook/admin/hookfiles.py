@@ -12,13 +12,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import paths
+from cudahook.platform import paths
 
 NAMES = ("cudahook-oci-hook", "cudahook-criu-action", "cudahook-runtime")
 
 
 def templates_dir() -> Path:
-    here = Path(__file__).resolve().parent.parent / "hooks"
+    here = Path(__file__).resolve().parents[2] / "hooks"
     if here.is_dir():
         return here
     return Path(sys.prefix) / "share" / "cudahook" / "hooks"

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .context import Context
+from cudahook.hooks.context import Context
+
 from .journal import Journal
 
 CRIU_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu",
@@ -95,7 +96,7 @@ def run_checks(ctx: Context, root: str = "/") -> list[Check]:
             checks.append(Check("cuda-checkpoint", "fail", str(exc)))
 
     try:
-        from .gpus import query_gpus
+        from cudahook.core.gpus import query_gpus
 
         gpus = query_gpus(host, ctx.settings)
         drivers = sorted({g.driver_version for g in gpus})

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UsageError
+from cudahook.platform.errors import UsageError
 
 ACTIONS = {
     "pre-dump", "network-lock", "post-dump", "network-unlock", "pre-restore",

@@ -15,10 +15,11 @@ import threading
 from dataclasses import asdict
 from pathlib import Path
 
-from ..config import Settings
-from ..errors import EnvironmentProblem, ToolError
-from ..host import Host
-from ..store import read_json, write_json_atomic
+from cudahook.platform.config import Settings
+from cudahook.platform.errors import EnvironmentProblem, ToolError
+from cudahook.platform.host import Host
+from cudahook.platform.store import read_json, write_json_atomic
+
 from . import STATES, Features
 
 _VERSION = re.compile(r"Version\s+(\d+(?:\.\d+)*)")

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any, NoReturn
 
-from .errors import CudahookError, Exit, UsageError
+from cudahook.platform.errors import CudahookError, Exit, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,9 +92,9 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import config
-    from .backends import make_backend
-    from .host import Host
+    from cudahook.core.backends import make_backend
+    from cudahook.platform import config
+    from cudahook.platform.host import Host
 
     if args.cmd == "configure":
         from pathlib import Path
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     host = Host()
 
     if args.cmd == "gpus":
-        from .gpus import query_gpus
+        from cudahook.core.gpus import query_gpus
 
         gpus = query_gpus(host, settings)
         _emit(args, [g.__dict__ for g in gpus],
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return Exit.OK
 
     if args.cmd in ("status", "doctor"):
-        from .context import Context
+        from cudahook.hooks.context import Context
 
         ctx = Context(settings, host)
         if args.cmd == "doctor":
@@ -155,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
         _emit(args, f.__dict__, f.describe())
         return Exit.OK
 
-    from .discovery import discover
-    from .engine import Engine
+    from cudahook.core.discovery import discover
+    from cudahook.core.engine import Engine
 
     if args.cmd == "state":
         engine = Engine(backend, settings, host)
@@ -208,13 +208,13 @@ def run(args: argparse.Namespace) -> int:
 def _manifest_json(image_dir: str) -> Any:
     from pathlib import Path
 
-    from .manifest import read
+    from cudahook.core.manifest import read
 
     return read(Path(image_dir))
 
 
 def _device_map(args: argparse.Namespace) -> dict[str, str] | None:
-    from .devicemap import compute_device_map, parse_device_map
+    from cudahook.core.devicemap import compute_device_map, parse_device_map
 
     if args.device_map and (args.source_gpus or args.target_gpus):
         raise UsageError("give either --device-map or --source-gpus/--target-gpus")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CudahookError
-from .store import read_json, write_json_atomic
+from cudahook.platform.errors import CudahookError
+from cudahook.platform.store import read_json, write_json_atomic
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .discovery import CudaProcess
-from .errors import CudahookError, EnvironmentProblem
-from .host import Host
+from cudahook.core.discovery import CudaProcess
+from cudahook.platform.errors import CudahookError, EnvironmentProblem
+from cudahook.platform.host import Host
+
 from .sockets import list_sockets
 
 CONTROL_DIR = "/snapshot-control"

@@ -36,13 +36,15 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from cudahook.core import manifest
+from cudahook.core.discovery import container_pids, discover
+from cudahook.platform.errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
+from cudahook.platform.store import mark, read_json, write_json_atomic
+from cudahook.vmm import coordinator as vmm
+
 from . import annotations as ann
-from . import manifest, vmm
 from .context import Context
 from .criu_env import CriuCall
-from .discovery import container_pids, discover
-from .errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
-from .store import mark, read_json, write_json_atomic
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -54,7 +56,9 @@ HANDLED = ("pre-dump", "post-restore", "post-resume")
 
 
 def main() -> int:
-    from . import config, criu_env
+    from cudahook.platform import config
+
+    from . import criu_env
 
     try:
         call = criu_env.from_env()
@@ -123,7 +127,8 @@ def _need_init(call: CriuCall) -> int:
 
 
 def _gpu_uuids(ctx: Context, visible: list[str] | None) -> list[str]:
-    from .gpus import query_gpus
+    from cudahook.core.gpus import query_gpus
+
     from .oci import resolve_uuids
 
     gpus = query_gpus(ctx.host, ctx.settings)
@@ -247,7 +252,7 @@ def spawn_guardian(ctx: Context, criu_pid: int, cid: str | None,
         "settings": asdict(ctx.settings),
     }
     subprocess.Popen(
-        [sys.executable, "-I", "-c", "import sys; from cudahook.guardian import main; "
+        [sys.executable, "-I", "-c", "import sys; from cudahook.hooks.guardian import main; "
          "sys.exit(main(sys.argv[1]))", json.dumps(args)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True,
@@ -260,7 +265,7 @@ def spawn_guardian(ctx: Context, criu_pid: int, cid: str | None,
 def _plan(ctx: Context, call: CriuCall, record: dict[str, Any] | None, opts: ann.Options,
           data: dict[str, Any]) -> dict[str, str] | None:
     """The device map this restore needs, or a clear refusal."""
-    from .devicemap import compute_device_map, parse_device_map
+    from cudahook.core.devicemap import compute_device_map, parse_device_map
 
     feats = ctx.backend.features
     have, had = feats.major, str(data.get("driver_version", "")).split(".")[0]

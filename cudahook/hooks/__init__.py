@@ -1,0 +1,14 @@
+"""Adapters: one module per executable a runtime or CRIU starts, turning what
+it hands over (OCI state on stdin, CRIU's environment, runc's argv) into
+calls on the core.
+
+- `oci_hook`: createRuntime/prestart/poststop; `oci` and `annotations` parse
+  its input.
+- `criu_action`: the CRIU action script: the whole timeline of a checkpoint
+  and a restore; `criu_env` parses CRIU's environment; `guardian` is the
+  detached process that brings CUDA processes back when CRIU did not.
+- `runtime_wrapper`: the runc wrapper that adds the OCI hooks.
+- `context`: what every hook needs, assembled once per run.
+
+May import: `cudahook.vmm`, `cudahook.core`, `cudahook.platform`.
+"""
