@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -44,3 +45,23 @@ def test_proc_reads() -> None:
     assert any(tid == me for tid, _ in h.thread_names(me))
     with pytest.raises(ProcessGone):
         h.status(2**22 + 12345)
+
+
+def test_a_deadline_ends_the_wait_even_when_the_pipes_stay_open(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A tool whose helper escaped its process group keeps stdout open after
+    the group is killed: the call must still return, soon after the deadline."""
+    from cudahook.platform import tools
+
+    monkeypatch.setattr(tools, "KILL_GRACE_S", 0.5)
+    started = time.monotonic()
+    # setsid: the helper leaves the tool's process group, holding its stdout.
+    pidfile = tmp_path / "helper"
+    res = Host().run(["sh", "-c", f"setsid sleep 30 & echo $! > {pidfile}; sleep 30"],
+                     timeout=0.5)
+    took = time.monotonic() - started
+    try:
+        assert res.timed_out and res.returncode is None
+        assert "abandoned" in res.stderr
+        assert took < 5, took
+    finally:
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
