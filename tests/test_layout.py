@@ -22,8 +22,8 @@ ALLOWED = {
     "admin": {"hooks", "vmm", "core", "platform"},
     "sim": {"admin", "hooks", "vmm", "core", "platform"},
 }
-# The demo command runs the simulator: the one way from the product into it.
-SIM_DOORS = {"cudahook.admin.demo"}
+# `cudahook demo` runs the simulator: the one way from the product into it.
+SIM_DOORS = {"cudahook.admin.cli"}
 
 
 def module_name(path: Path) -> str:

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(lines))
         return Exit.OK
     if args.cmd == "demo":
-        from .demo import main as demo
+        from cudahook.sim.demo import main as demo
 
         return demo(processes_only=args.processes)
 

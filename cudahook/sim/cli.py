@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         lab.fault(args.action, args.mode, **match)
         return 0
     if args.cmd == "demo":
-        from .demo import main as demo
+        from .demo import process_demo as demo
 
         return demo()
     return 2
