@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cudahook.platform import config
+from cudahook.platform import config, configcache
 from cudahook.platform.config import Settings
 from cudahook.platform.errors import ConfigError
 
@@ -55,8 +55,8 @@ def test_validated_files_are_cached_until_they_change(tmp_path: Path, monkeypatc
     f = tmp_path / "c.yaml"
     f.write_text("lock_timeout_ms: 250\n")
     assert config.load(f).lock_timeout_ms == 250
-    assert config.cache_path() == tmp_path / "run/cudahook-marks/config-cache.json"
-    assert config.cache_path().exists()
+    assert configcache.cache_path() == tmp_path / "run/cudahook-marks/config-cache.json"
+    assert configcache.cache_path().exists()
     calls = []
     monkeypatch.setattr(config, "validate", lambda *a: calls.append(a))
     assert config.load(f).lock_timeout_ms == 250 and calls == []  # from the cache
@@ -71,19 +71,19 @@ def test_an_invalid_file_is_never_cached(tmp_path: Path, monkeypatch) -> None:  
     for _ in range(2):
         with pytest.raises(ConfigError):
             config.load(f)
-    assert not config.cache_path().exists()
+    assert not configcache.cache_path().exists()
 
 
 def test_the_cache_stays_small(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("CUDAHOOK_ROOT", str(tmp_path))
     files = []
-    for i in range(3 * config.CACHE_ENTRIES):
+    for i in range(3 * configcache.CACHE_ENTRIES):
         f = tmp_path / f"c{i}.yaml"
         f.write_text(f"lock_timeout_ms: {100 + i}\n")
         assert config.load(f).lock_timeout_ms == 100 + i
         files.append(f)
     import json
 
-    kept = json.loads(config.cache_path().read_text())
-    assert len(kept) == config.CACHE_ENTRIES
+    kept = json.loads(configcache.cache_path().read_text())
+    assert len(kept) == configcache.CACHE_ENTRIES
     assert str(files[-1].resolve()) in kept and str(files[0].resolve()) not in kept

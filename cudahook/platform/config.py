@@ -10,10 +10,10 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from . import paths
+from . import configcache, paths
 from .errors import ConfigError
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -93,10 +93,12 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
     """
     explicit = path or os.environ.get(ENV_PATH)
     target = Path(explicit) if explicit else default_path()
-    key = _file_key(target)
-    cached = _cached(target, key)
+    key, cached = configcache.lookup(target)
     if cached is not None:
-        return cached
+        try:
+            return Settings(**cached)
+        except TypeError:
+            pass  # written by another version: parse the file again
     try:
         text = target.read_text()
     except FileNotFoundError:
@@ -118,70 +120,5 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
     validate(data, "config.schema.json", str(target))
     known = {f.name for f in fields(Settings)}
     settings = Settings(**{k: v for k, v in data.items() if k in known})
-    _remember(target, key, settings)
+    configcache.remember(target, key, asdict(settings))
     return settings
-
-
-# Parsing YAML and validating it takes about 50 ms, on every hook that does
-# GPU work. A file already validated, unchanged since (same inode, size and
-# mtime), is read back from a root-only cache instead.
-def cache_path() -> Path:
-    return paths.at(paths.MARKS_DIR) / "config-cache.json"
-
-
-def _file_key(path: Path) -> list[int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-# At most this many configuration files are remembered; the least recently
-# validated ones go first (the cache lives in /run, which is RAM).
-CACHE_ENTRIES = 8
-
-
-def _cached(path: Path, key: list[int] | None) -> Settings | None:
-    if key is None:
-        return None
-    import json
-
-    try:
-        entry = json.loads(cache_path().read_text()).get(str(path.resolve()))
-        if entry and entry["key"] == key:
-            return Settings(**entry["settings"])
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        pass
-    return None
-
-
-def _remember(path: Path, key: list[int] | None, settings: Settings) -> None:
-    if key is None:
-        return
-    import json
-    import time
-    from dataclasses import asdict
-
-    cache = cache_path()
-    try:
-        try:
-            data = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            data = {}
-        if not isinstance(data, dict):
-            data = {}
-        data[str(path.resolve())] = {"key": key, "settings": asdict(settings),
-                                     "at": time.time()}
-        newest = sorted(data.items(), key=lambda kv: _age_key(kv[1]))[-CACHE_ENTRIES:]
-        from .store import ensure_private_dir, write_json_atomic
-
-        ensure_private_dir(cache.parent)
-        write_json_atomic(cache, dict(newest))
-    except (OSError, ValueError):
-        pass  # only speed is lost
-
-
-def _age_key(entry: Any) -> float:
-    at = entry.get("at") if isinstance(entry, dict) else None
-    return at if isinstance(at, (int, float)) else 0.0
