@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from cudahook.platform import paths
+from cudahook.platform.atomic import write_atomic
 
 NAMES = ("cudahook-oci-hook", "cudahook-criu-action", "cudahook-runtime")
 
@@ -74,9 +75,6 @@ def install(dest: str | os.PathLike[str], python: str = sys.executable,
     paths = {}
     for name in NAMES:
         path = dest / name
-        tmp = dest / f".{name}.tmp"
-        tmp.write_text(render(name, python, config, values))
-        tmp.chmod(0o755)
-        os.replace(tmp, path)
+        write_atomic(path, render(name, python, config, values).encode(), 0o755)
         paths[name] = path
     return paths

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from cudahook.platform.atomic import write_atomic
+
 GLOBAL_WITH_VALUE = {"--root", "--log", "--log-format", "--criu", "--rootless"}
 WITH_BUNDLE = {"create", "run", "restore"}
 STAGES = ("createRuntime", "poststop")
@@ -69,11 +71,8 @@ def add_hooks(bundle: str, hook: str) -> bool:
             entries.append({"path": hook, "args": ["cudahook-oci-hook", stage]})
             changed = True
     if changed:
-        tmp = f"{path}.cudahook.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(cfg, f)
-        os.chmod(tmp, os.stat(path).st_mode & 0o7777)
-        os.replace(tmp, path)
+        # The same mode as the bundle's own file, from the first byte on.
+        write_atomic(path, json.dumps(cfg).encode(), os.stat(path).st_mode & 0o7777)
     return changed
 
 

@@ -66,7 +66,8 @@ def remember(path: Path, key: list[int] | None, settings: dict[str, Any]) -> Non
             data = {}
         data[str(path.resolve())] = {"key": key, "settings": settings, "at": time.time()}
         newest = sorted(data.items(), key=lambda kv: _age_key(kv[1]))[-CACHE_ENTRIES:]
-        from .store import ensure_private_dir, write_json_atomic
+        from .atomic import write_json_atomic
+        from .store import ensure_private_dir
 
         ensure_private_dir(cache.parent)
         write_json_atomic(cache, dict(newest))

@@ -15,12 +15,12 @@ import json
 import os
 import re
 import stat
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from . import paths
+from .atomic import write_json_atomic
 from .errors import StateError, UsageError
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -90,24 +90,6 @@ def check_id(container_id: str) -> str:
     if not isinstance(container_id, str) or not _ID.fullmatch(container_id):
         raise UsageError(f"invalid container id {container_id!r}")
     return container_id
-
-
-def write_json_atomic(path: Path, data: Any, mode: int = 0o600) -> None:
-    # Unique per thread too: two threads of one process sharing a temp name
-    # would write into each other's file (and one os.replace would fail).
-    # The name is cut so that the temp name fits NAME_MAX as well.
-    tmp = path.with_name(f".{path.name[:200]}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def read_json(path: Path) -> Any | None:
