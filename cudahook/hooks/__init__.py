@@ -5,8 +5,11 @@ calls on the core.
 - `oci_hook`: createRuntime/prestart/poststop; `oci` and `annotations` parse
   its input.
 - `criu_action`: the CRIU action script: the whole timeline of a checkpoint
-  and a restore; `criu_env` parses CRIU's environment; `guardian` is the
-  detached process that brings CUDA processes back when CRIU did not.
+  and a restore, in order. `criu_env` parses CRIU's environment, `criu_run`
+  keeps one CRIU run's progress (its actions run twice), `containers` finds
+  the container behind it, `restore_gate` decides whether an image may be
+  restored here, and `guardian` is the detached process that brings CUDA
+  processes back when CRIU did not.
 - `runtime_wrapper`: the runc wrapper that adds the OCI hooks.
 - `context`: what every hook needs, assembled once per run.
 

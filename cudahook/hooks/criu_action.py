@@ -1,50 +1,43 @@
-"""The CRIU action script: CUDA checkpoint before the dump, CUDA restore after it.
+"""The CRIU action script: the whole story of a GPU container's checkpoint and
+restore, in the order CRIU tells it.
 
-What runs when (CRIU's order, field notes §4):
-- pre-dump: tasks still run. Discover, lock+checkpoint every CUDA process
-  (rolled back on failure, and then CRIU aborts), write the manifest into the
-  image directory, and leave a guardian behind (below).
-- post-dump / network-unlock: tasks are stopped; CUDA restore cannot run.
-- post-restore: tasks exist but do not run. Last moment to refuse: check the
-  manifest, the driver, the GPUs and the device map, and fail the restore
-  cleanly if any is wrong.
-- post-resume: tasks run. Restore and unlock every CUDA process (onto the
-  new GPUs if they changed) and verify it runs; on failure kill the container
-  rather than release a half-restored workload. CRIU only logs a failure
-  here, so failing closed is ours to do.
+CRIU runs this script at every action of every dump and restore, GPU or not
+(the shell in hooks/cudahook-criu-action lets only the three actions below,
+and only containers that may hold a GPU, reach Python):
 
-CRIU 3.19-4.1.1 run every action twice. Each action's outcome is kept per
-CRIU run (its PID and start time), and the second call returns it unchanged.
+    dump:     pre-dump -> (tasks frozen) -> dump -> post-dump -> tasks killed
+              or, with --leave-running or on failure, resumed
+    restore:  pre-restore -> ... -> post-restore (tasks exist, not running)
+              -> pre-resume -> tasks run -> post-resume
 
-The guardian: when the dump fails after pre-dump (even while freezing, where
-CRIU runs no script at all) or runs with --leave-running, CRIU lets the tasks
-run again - checkpointed, off their GPU. Nothing tells a script when that
-happens, so a detached process waits for CRIU to exit and then restores every
-CUDA process that is still alive. After a successful dump they are dead and
-it does nothing.
+A non-zero exit aborts a dump at pre-dump and a restore up to post-restore;
+at post-resume CRIU only logs it. When CRIU fails while freezing, it runs no
+script at all. At post-dump and network-unlock the tasks are stopped, and a
+stopped process's CUDA restore thread cannot run: CUDA work happens at
+pre-dump, post-restore (checks only) and post-resume, nowhere else.
+
+Who undoes what, at each failure point, is named where the step is taken.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from cudahook.core import manifest
-from cudahook.core.discovery import container_pids, discover
+from cudahook.core.discovery import discover
 from cudahook.platform.errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
-from cudahook.platform.store import mark, read_json, write_json_atomic
+from cudahook.platform.store import mark
 from cudahook.vmm import coordinator as vmm
 
-from . import annotations as ann
+from . import guardian
+from .containers import container_for, gpu_uuids, kill_container, restored_pids
 from .context import Context
 from .criu_env import CriuCall
+from .criu_run import CriuRun
+from .restore_gate import plan_restore
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -74,17 +67,18 @@ def main() -> int:
 
 
 def run(ctx: Context, call: CriuCall) -> int:
-    handler = {"pre-dump": pre_dump, "post-restore": post_restore,
-               "post-resume": post_resume}.get(call.action)
-    if handler is None:
+    """One action, once per CRIU run: CRIU's duplicate call gets the first
+    call's outcome (see criu_run.py)."""
+    step = {"pre-dump": pre_dump, "post-restore": post_restore,
+            "post-resume": post_resume}.get(call.action)
+    if step is None:
         return Exit.OK
-    run_file = ctx.store.run_path(_run_key(ctx, call.criu_pid))
-    progress: dict[str, Any] = read_json(run_file) or {}
-    done = progress.setdefault("done", {})
-    if call.action in done:
-        return int(done[call.action])  # the second of CRIU's two calls
+    criu_run = CriuRun(ctx.store, ctx.host, call.criu_pid)
+    earlier = criu_run.outcome(call.action)
+    if earlier is not None:
+        return earlier
     try:
-        rc = handler(ctx, call, progress)
+        rc = step(ctx, call, criu_run)
     except CudahookError as exc:
         ctx.log(call.action, error=str(exc), init_pid=call.init_pid)
         rc = int(exc.exit_code)
@@ -92,57 +86,24 @@ def run(ctx: Context, call: CriuCall) -> int:
         ctx.log(call.action, error=f"internal error: {type(exc).__name__}: {exc}",
                 init_pid=call.init_pid)
         rc = Exit.FAILED
-    done[call.action] = rc
-    write_json_atomic(run_file, progress)
+    criu_run.finish(call.action, rc)
     if call.action == "pre-dump":
         ctx.store.prune_runs()
     return rc
 
 
-def _run_key(ctx: Context, criu_pid: int) -> str:
-    try:
-        return f"{criu_pid}-{ctx.host.start_time(criu_pid)}"
-    except Exception:
-        return str(criu_pid)
+# == checkpoint: pre-dump ======================================================
+# The tasks still run. Everything that can refuse runs before any process is
+# touched; after the first lock, every way out either rolls back or leaves
+# someone (the guardian) to bring the processes back.
 
 
-def _container(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, Context, ann.Options]:
-    """The OCI record (if the OCI hook saw this container) and its options."""
-    try:
-        start: int | None = ctx.host.start_time(init_pid)
-    except Exception:
-        start = None
-    record = ctx.store.find_by_pid(init_pid, start)
-    opts = ann.parse({ann.PREFIX + k: v for k, v in (record or {}).get("options", {}).items()})
-    settings = opts.apply(ctx.settings)
-    if settings is not ctx.settings:
-        ctx = Context(settings, ctx.host)
-    return record, ctx, opts
-
-
-def _need_init(call: CriuCall) -> int:
-    if call.init_pid is None:
-        raise UsageError(f"{call.action}: CRTOOLS_INIT_PID is not set")
-    return call.init_pid
-
-
-def _gpu_uuids(ctx: Context, visible: list[str] | None) -> list[str]:
-    from cudahook.core.gpus import query_gpus
-
-    from .oci import resolve_uuids
-
-    gpus = query_gpus(ctx.host, ctx.settings)
-    return resolve_uuids(visible or ["all"], gpus)
-
-
-# -- dump ---------------------------------------------------------------------
-
-
-def pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
+def pre_dump(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     init_pid = _need_init(call)
-    # containerd and docker pause the container before `runc checkpoint`:
-    # thaw it for the CUDA phase (a frozen restore thread makes
-    # cuda-checkpoint hang), and freeze it again before CRIU takes over.
+    # Hazard: containerd and docker pause the container before `runc
+    # checkpoint`. A frozen process's CUDA restore thread cannot run, and
+    # cuda-checkpoint then hangs. Thaw for the CUDA phase; undo: freeze it
+    # again before CRIU takes over, whatever happened.
     thawed = False
     try:
         if ctx.host.is_frozen(init_pid):
@@ -151,18 +112,23 @@ def pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     except (OSError, TimeoutError) as exc:
         raise EnvironmentProblem(f"pre-dump: cannot thaw the paused container: {exc}") from exc
     try:
-        return _pre_dump(ctx, call, progress, init_pid)
+        return _checkpoint(ctx, call, criu_run, init_pid)
     finally:
         if thawed:
             ctx.host.set_frozen(init_pid, True)
 
 
-def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: int) -> int:
-    record, ctx, opts = _container(ctx, init_pid)
+def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int) -> int:
+    # 1. Which container, with which options. An annotation can opt it out.
+    record, ctx, opts = container_for(ctx, init_pid)
     cid = (record or {}).get("id")
     if opts.enabled is False:
         ctx.log("pre-dump", container=cid, skipped="disabled by annotation")
         return Exit.OK
+
+    # 2. Discover its CUDA processes. Hazard: a probe that times out is not
+    #    "not CUDA" - discovery fails instead, or a process would be dumped
+    #    with live GPU state. Nothing touched yet: a failure needs no undo.
     found = discover(ctx.host, ctx.backend, init_pid, ctx.settings.device_regex,
                      max_parallel=ctx.settings.max_parallel)
     for w in found.warnings:
@@ -173,22 +139,24 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
     if call.image_dir is None:
         raise UsageError("pre-dump: CRTOOLS_IMAGE_DIR is not set")
 
-    # Everything that can refuse runs before any process is touched.
+    # 3. What the manifest and a later restore need, and the VMM interposer's
+    #    prepare step, which must run before the CUDA lock. A partial set of
+    #    interposer sockets is refused here. Nothing is locked yet: a refusal
+    #    aborts the dump and the workload never noticed.
     try:
-        gpus = _gpu_uuids(ctx, (record or {}).get("visible"))
+        gpus = gpu_uuids(ctx, (record or {}).get("visible"))
         version = ctx.backend.features.version
-        with_vmm = interposer_prepare(ctx, cid, found.processes, call)
+        with_vmm = _interposer_prepare(ctx, cid, found.processes, call)
     except CudahookError as exc:
         _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
         raise
 
-    # Taken before the checkpoint: the guardian tells our processes from PID reuse.
-    starts = {}
-    for p in found.processes:
-        try:
-            starts[p.pid] = ctx.host.start_time(p.pid)
-        except Exception:
-            starts[p.pid] = None
+    # 4. Lock all (in parallel: a partly locked NCCL job can hang its peers),
+    #    then checkpoint all. Undo on any failure: the engine rolls every
+    #    touched process back and verifies each one `running`; CRIU then
+    #    aborts on our exit status. Start times are taken first: the guardian
+    #    tells our processes from a later process that reused a PID.
+    starts = {p.pid: _start_time(ctx, p.pid) for p in found.processes}
     try:
         result = ctx.engine.checkpoint(found.processes, fresh_states=True)
     except PhaseError as exc:
@@ -196,6 +164,15 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
                 timeline=exc.result.timeline.to_dict() if exc.result else None)
         _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
         return int(exc.exit_code)
+
+    # 5. Record the checkpoint in the image, and leave the guardian behind.
+    #    Hazard: the dump can still fail after us (even while freezing, where
+    #    CRIU runs no script), or run with --leave-running; either way CRIU
+    #    lets the tasks run again, checkpointed, off their GPU. Only the
+    #    guardian, waiting for CRIU to exit, can bring them back.
+    #    Undo if either cannot be done: without a manifest the restore could
+    #    never bring the GPU state back, and without a guardian nothing would
+    #    after CRIU aborts - so remove the manifest and restore everything now.
     data = {
         "container_id": cid,
         "created": time.time(),
@@ -208,29 +185,25 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
     }
     try:
         manifest.write(call.image_dir, data)
-        spawn_guardian(ctx, call.criu_pid, cid, [(p, starts[p]) for p in found.pids])
+        guardian.spawn(ctx, call.criu_pid, cid, [(p, starts[p]) for p in found.pids])
     except Exception as exc:
-        # Without a manifest the restore could never bring the GPU state back,
-        # and without a guardian nothing would after CRIU aborts: undo it all.
         with contextlib.suppress(OSError):
             (call.image_dir / manifest.NAME).unlink()
         ctx.engine.restore(found.processes)
         raise EnvironmentProblem(f"pre-dump: cannot record the checkpoint: {exc}") from exc
+
+    # 6. Handed over to CRIU: it dumps the processes, now without GPU state.
     ctx.log("checkpoint", container=cid, pids=found.pids,
             nspids=[p.nspid for p in found.processes], total_s=result.timeline.total(),
             timeline=result.timeline.to_dict())
     _remember(ctx, cid, "checkpoint", ok=True, pids=found.pids,
               total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict())
-    progress["checkpointed"] = found.pids
+    criu_run["checkpointed"] = found.pids
     return Exit.OK
 
 
-def interposer_prepare(ctx: Context, cid: str | None, procs: list[Any], call: CriuCall) -> bool:
-    """Detect the CUDA VMM interposer and run its coordinator before the lock.
-
-    A partial set of sockets refuses the checkpoint here, before anything is
-    locked; a coordinator that fails or times out fails it the same way.
-    """
+def _interposer_prepare(ctx: Context, cid: str | None, procs: list[Any], call: CriuCall) -> bool:
+    """Detect the CUDA VMM interposer and run its coordinator's prepare."""
     detection = vmm.detect(ctx.host, procs)
     if not detection.participates:
         return False
@@ -242,76 +215,40 @@ def interposer_prepare(ctx: Context, cid: str | None, procs: list[Any], call: Cr
     return True
 
 
-def spawn_guardian(ctx: Context, criu_pid: int, cid: str | None,
-                   procs: list[tuple[int, int]]) -> None:
-    args = {
-        "criu_pid": criu_pid,
-        "criu_start": ctx.host.start_time(criu_pid),
-        "container": cid,
-        "procs": procs,
-        "settings": asdict(ctx.settings),
-    }
-    subprocess.Popen(
-        [sys.executable, "-I", "-c", "import sys; from cudahook.hooks.guardian import main; "
-         "sys.exit(main(sys.argv[1]))", json.dumps(args)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True,
-    )
+# == restore: post-restore =====================================================
+# The tasks exist but have not run: the last moment to refuse cleanly. A
+# non-zero exit makes CRIU kill them and fail the restore; the image is
+# untouched and the restore can be retried once the cause is fixed.
 
 
-# -- restore ------------------------------------------------------------------
-
-
-def _plan(ctx: Context, call: CriuCall, record: dict[str, Any] | None, opts: ann.Options,
-          data: dict[str, Any]) -> dict[str, str] | None:
-    """The device map this restore needs, or a clear refusal."""
-    from cudahook.core.devicemap import compute_device_map, parse_device_map
-
-    feats = ctx.backend.features
-    have, had = feats.major, str(data.get("driver_version", "")).split(".")[0]
-    if had.isdigit() and have and int(had) != have:
-        raise EnvironmentProblem(
-            f"checkpoint was taken with driver {data['driver_version']}, this node runs "
-            f"{feats.version}: restore needs the same driver branch")
-    if not feats.actions and not feats.toggle:
-        raise EnvironmentProblem("cuda-checkpoint on this node supports neither actions nor toggle")
-    source = list(data.get("gpus") or [])
-    node = _gpu_uuids(ctx, ["all"])
-    if opts.device_map:
-        mapping: dict[str, str] | None = parse_device_map(opts.device_map)
-        missing = [u for u in (mapping or {}).values() if u not in node]
-    else:
-        visible = (record or {}).get("visible")
-        target = _gpu_uuids(ctx, visible) if visible else source
-        missing = [u for u in target if u not in node]
-        mapping = compute_device_map(source, target) if not missing else None
-    if missing:
-        raise EnvironmentProblem(
-            "GPU(s) not present on this node: " + ", ".join(missing)
-            + ("" if record else " (the OCI hook did not see this container; "
-               "register it or set cudahook.io/device-map)"))
-    if mapping and not feats.device_map:
-        raise EnvironmentProblem(
-            f"the restore moves GPUs ({', '.join(f'{a}={b}' for a, b in mapping.items())}) "
-            f"but cuda-checkpoint {feats.version} has no --device-map (driver R580 or newer)")
-    return mapping
-
-
-def post_restore(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
+def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     if call.image_dir is None:
         raise UsageError("post-restore: CRTOOLS_IMAGE_DIR is not set")
+    # 1. Only a checkpoint that holds CUDA state carries a manifest.
     data = manifest.read(call.image_dir)
     if data is None:
         return Exit.OK
-    record, ctx, opts = _container(ctx, _need_init(call))
-    mapping = _plan(ctx, call, record, opts, data)
-    progress["device_map"] = mapping
-    progress["vmm_dir"] = _vmm_dir(ctx, call, data)
-    # By post-resume CRIU has closed the image directory (CRTOOLS_IMAGE_DIR
-    # names a dead /proc/<criu>/fd/N, seen with CRIU 4.1.1): keep what the
-    # restore needs from it now.
-    progress["manifest"] = data
-    try:  # without the mark the shell would skip post-resume: fail now instead
+    # 2. The restore gate: same driver branch, the GPUs present, a device map
+    #    this driver can apply. A refusal here is clean.
+    record, ctx, opts = container_for(ctx, _need_init(call))
+    mapping = plan_restore(ctx, record, opts, data)
+    criu_run["device_map"] = mapping
+    # 3. Hazard: by post-resume CRIU has closed the image directory
+    #    (CRTOOLS_IMAGE_DIR names a dead /proc/<criu>/fd/N): keep what the
+    #    restore needs from it now - the manifest, and where the VMM state is.
+    if not vmm.has_state(call.image_dir):
+        vmm_dir = None
+        if data.get("vmm"):
+            ctx.log("post-restore", warning="manifest says the CUDA VMM interposer took part "
+                    "but the image has no cuda-vmm.state: its coordinator will not run")
+    else:
+        vmm_dir = vmm.locate_state(call.image_dir, criu_run.path.with_suffix(".vmm"))
+    criu_run["vmm_dir"] = vmm_dir
+    criu_run["manifest"] = data
+    # 4. The mark that lets the shell start Python at post-resume. Without it
+    #    post-resume would be skipped and the workload left checkpointed: fail
+    #    the restore now instead, while that is still clean.
+    try:
         mark("restore", str(call.criu_pid))
     except OSError as exc:
         raise EnvironmentProblem(f"post-restore: cannot leave a mark for post-resume: {exc}") from exc
@@ -320,50 +257,39 @@ def post_restore(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     return Exit.OK
 
 
-def _vmm_dir(ctx: Context, call: CriuCall, data: dict[str, Any]) -> str | None:
-    """Where the coordinator finds cuda-vmm.state at post-resume, if it exists.
-
-    CRIU's fd on the image directory is gone by then, so resolve the
-    directory's real path now; if that is not reachable, keep a private copy.
-    """
-    assert call.image_dir is not None
-    if not vmm.has_state(call.image_dir):
-        if data.get("vmm"):
-            ctx.log("post-restore", warning="manifest says the CUDA VMM interposer took part "
-                    "but the image has no cuda-vmm.state: its coordinator will not run")
-        return None
-    real = os.path.realpath(call.image_dir)
-    if os.path.isdir(real) and vmm.has_state(Path(real)):
-        return real
-    import shutil
-
-    copy = ctx.store.run_path(_run_key(ctx, call.criu_pid)).with_suffix(".vmm")
-    copy.mkdir(mode=0o700, exist_ok=True)
-    shutil.copyfile(call.image_dir / vmm.STATE_FILE, copy / vmm.STATE_FILE)
-    return str(copy)
+# == restore: post-resume ======================================================
+# The tasks run, still checkpointed. CRIU only logs a failure here, so
+# failing closed is ours to do: a workload is never released half-restored.
 
 
-def post_resume(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
+def post_resume(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     with contextlib.suppress(OSError):
         mark("restore", str(call.criu_pid), on=False)
-    data = progress.get("manifest")
-    if data is None and "post-restore" not in progress.get("done", {}):
+    data = criu_run.get("manifest")
+    if data is None and "post-restore" not in criu_run["done"]:
         data = manifest.read(call.image_dir) if call.image_dir else None
     if data is None:
         return Exit.OK
     init_pid = _need_init(call)
-    record, ctx, opts = _container(ctx, init_pid)
+    record, ctx, opts = container_for(ctx, init_pid)
     cid = (record or {}).get("id") or data.get("container_id")
     try:
-        mapping = (progress["device_map"] if "device_map" in progress
-                   else _plan(ctx, call, record, opts, data))
-        procs = _restored_pids(ctx, init_pid, data)
-        vmm_dir = progress.get("vmm_dir")
+        # 1. The device map post-restore settled on, and the restored
+        #    processes by their namespace PIDs (host PIDs changed).
+        mapping = (criu_run["device_map"] if "device_map" in criu_run
+                   else plan_restore(ctx, record, opts, data))
+        procs = restored_pids(ctx, init_pid, data)
+        # 2. Restore all (onto the new GPUs if they changed), then unlock all
+        #    and verify each one `running`. Hazard: a remap that skips the
+        #    unlock leaves the workload running but blocked forever - the
+        #    engine verifies. A restore that fails on memory leaves a process
+        #    checkpointed: the engine releases nothing on failure.
+        vmm_dir = criu_run.get("vmm_dir")
         before = bool(vmm_dir) and ctx.settings.vmm_restore_before_unlock
         result = ctx.engine.restore(procs, mapping, unlock=not before)
+        # 3. The VMM coordinator replays CUDA calls inside the workload: it
+        #    needs the processes restored and, by default, unlocked.
         if vmm_dir:
-            # The coordinator replays CUDA calls inside the workload: it needs
-            # the processes restored, and by default unlocked.
             pairs = list(zip(procs, (p["nspid"] for p in data["processes"]), strict=True))
             output = vmm.run_coordinator(ctx.host, ctx.settings.tool("vmm_coordinator"),
                                          "restore", "", Path(vmm_dir), pairs,
@@ -372,7 +298,9 @@ def post_resume(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
             if before:
                 ctx.engine.unlock(procs)
     except CudahookError as exc:
-        killed = fail_closed(ctx, init_pid)
+        # Undo: none is possible for a half-restored workload. Kill the
+        # container; the image is unchanged, and a retry restores from it.
+        killed = kill_container(ctx, init_pid)
         error = f"restore failed, container killed ({killed} processes): {exc}"
         timeline = exc.result.timeline.to_dict() if isinstance(exc, PhaseError) and exc.result else None
         ctx.log("restore", container=cid, error=error, timeline=timeline)
@@ -385,39 +313,24 @@ def post_resume(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     return Exit.OK
 
 
-def _restored_pids(ctx: Context, init_pid: int, data: dict[str, Any]) -> list[int]:
-    """Host PIDs of the manifest's processes: CRIU restores namespace PIDs."""
-    by_nspid: dict[int, int] = {}
-    pids, _ = container_pids(ctx.host, init_pid)
-    for pid in pids:
-        try:
-            by_nspid[ctx.host.nspid(pid)] = pid
-        except Exception:
-            continue
-    wanted = [p["nspid"] for p in data["processes"]]
-    missing = [n for n in wanted if n not in by_nspid]
-    if missing:
-        raise PhaseError("restore", [f"restored container has no process {n} (namespace PID)"
-                                     for n in missing], safe=False)
-    return [by_nspid[n] for n in wanted]
+# -- small helpers --------------------------------------------------------------
 
 
-def fail_closed(ctx: Context, init_pid: int) -> int:
+def _need_init(call: CriuCall) -> int:
+    if call.init_pid is None:
+        raise UsageError(f"{call.action}: CRTOOLS_INIT_PID is not set")
+    return call.init_pid
+
+
+def _start_time(ctx: Context, pid: int) -> int | None:
     try:
-        pids, _ = container_pids(ctx.host, init_pid)
+        return ctx.host.start_time(pid)
     except Exception:
-        pids = [init_pid]
-    killed = 0
-    for pid in sorted(pids, key=lambda p: p != init_pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
-        except ProcessLookupError:
-            continue
-    return killed
+        return None
 
 
 def _remember(ctx: Context, cid: str | None, kind: str, **result: Any) -> None:
+    """The last result per container, for `cudahook status`; never fatal."""
     if not cid:
         return
     with contextlib.suppress(OSError, CudahookError):

@@ -24,6 +24,32 @@ if TYPE_CHECKING:
 MAX_WAIT_S = 6 * 3600
 
 
+def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int | None]]) -> None:
+    """Leave a guardian behind for this CRIU run, detached (its own session:
+    a runtime that kills the hook's process group does not kill it).
+
+    `procs` are (pid, start time) pairs: the start time tells our processes
+    from a later process that reused the PID.
+    """
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    args = {
+        "criu_pid": criu_pid,
+        "criu_start": ctx.host.start_time(criu_pid),
+        "container": cid,
+        "procs": procs,
+        "settings": asdict(ctx.settings),
+    }
+    subprocess.Popen(
+        [sys.executable, "-I", "-c", "import sys; from cudahook.hooks.guardian import main; "
+         "sys.exit(main(sys.argv[1]))", json.dumps(args)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True,
+    )
+
+
 def wait_exit(pid: int, start: int, host: Any) -> None:
     try:
         fd = os.pidfd_open(pid)

@@ -71,6 +71,26 @@ def has_state(image_dir: Path) -> bool:
         return False
 
 
+def locate_state(image_dir: Path, private_copy: Path) -> str | None:
+    """Where the coordinator will find cuda-vmm.state after the restore, if
+    the image has one.
+
+    CRIU hands the action script the image directory as a /proc/<criu>/fd/N
+    path, and that fd is closed by post-resume: resolve the directory's real
+    path now, and if that is not reachable, keep a private copy.
+    """
+    if not has_state(image_dir):
+        return None
+    real = os.path.realpath(image_dir)
+    if os.path.isdir(real) and has_state(Path(real)):
+        return real
+    import shutil
+
+    private_copy.mkdir(mode=0o700, exist_ok=True)
+    shutil.copyfile(image_dir / STATE_FILE, private_copy / STATE_FILE)
+    return str(private_copy)
+
+
 def _args(op: str, proc_root: str, directory: Path, procs: Sequence[tuple[int, int]]) -> list[str]:
     args = [f"--{op}", "--proc-root", proc_root, "--checkpoint-dir", str(directory)]
     for host_pid, nspid in procs:

@@ -1,0 +1,77 @@
+"""The container behind a CRIU run: its OCI record and options, its GPUs,
+its processes after a restore, and killing it when a restore cannot finish.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from cudahook.core.discovery import container_pids
+from cudahook.platform.errors import PhaseError
+
+from . import annotations as ann
+from .context import Context
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def container_for(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, Context, ann.Options]:
+    """The OCI record (if the OCI hook saw this container), a context with
+    its per-container options applied, and the options."""
+    try:
+        start: int | None = ctx.host.start_time(init_pid)
+    except Exception:
+        start = None
+    record = ctx.store.find_by_pid(init_pid, start)
+    opts = ann.parse({ann.PREFIX + k: v for k, v in (record or {}).get("options", {}).items()})
+    settings = opts.apply(ctx.settings)
+    if settings is not ctx.settings:
+        ctx = Context(settings, ctx.host)
+    return record, ctx, opts
+
+
+def gpu_uuids(ctx: Context, visible: list[str] | None) -> list[str]:
+    """The UUIDs of the GPUs a container sees (all, by default)."""
+    from cudahook.core.gpus import query_gpus
+
+    from .oci import resolve_uuids
+
+    gpus = query_gpus(ctx.host, ctx.settings)
+    return resolve_uuids(visible or ["all"], gpus)
+
+
+def restored_pids(ctx: Context, init_pid: int, data: dict[str, Any]) -> list[int]:
+    """Host PIDs of the manifest's processes: CRIU restores namespace PIDs."""
+    by_nspid: dict[int, int] = {}
+    pids, _ = container_pids(ctx.host, init_pid)
+    for pid in pids:
+        try:
+            by_nspid[ctx.host.nspid(pid)] = pid
+        except Exception:
+            continue
+    wanted = [p["nspid"] for p in data["processes"]]
+    missing = [n for n in wanted if n not in by_nspid]
+    if missing:
+        raise PhaseError("restore", [f"restored container has no process {n} (namespace PID)"
+                                     for n in missing], safe=False)
+    return [by_nspid[n] for n in wanted]
+
+
+def kill_container(ctx: Context, init_pid: int) -> int:
+    """SIGKILL every process of the container, init first; how many died."""
+    try:
+        pids, _ = container_pids(ctx.host, init_pid)
+    except Exception:
+        pids = [init_pid]
+    killed = 0
+    for pid in sorted(pids, key=lambda p: p != init_pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            continue
+    return killed

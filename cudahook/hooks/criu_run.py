@@ -1,0 +1,59 @@
+"""What one CRIU run (one dump, or one restore) has done so far.
+
+CRIU 3.19-4.1.1 run every action script twice per dump or restore (runc's
+configuration file is parsed twice, CRIU #2727). A hook that acted on each
+call would undo itself, so each action's outcome is kept per CRIU run -
+keyed by CRIU's PID and its start time, so a reused PID is another run - and
+the second call returns it unchanged. post-restore also leaves here what
+post-resume needs: CRIU has closed the image directory by then.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cudahook.platform.store import Store, read_json, write_json_atomic
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from cudahook.platform.host import Host
+
+
+class CriuRun:
+    def __init__(self, store: Store, host: Host, criu_pid: int):
+        self.key = run_key(host, criu_pid)
+        self.path: Path = store.run_path(self.key)
+        self.progress: dict[str, Any] = read_json(self.path) or {}
+        if not isinstance(self.progress.get("done"), dict):
+            self.progress["done"] = {}
+
+    def outcome(self, action: str) -> int | None:
+        """The exit status this run's first call of `action` gave, if any."""
+        rc = self.progress["done"].get(action)
+        return int(rc) if isinstance(rc, int) else None
+
+    def finish(self, action: str, rc: int) -> None:
+        self.progress["done"][action] = int(rc)
+        write_json_atomic(self.path, self.progress)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.progress[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.progress[name] = value
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.progress.get(name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.progress
+
+
+def run_key(host: Host, criu_pid: int) -> str:
+    try:
+        return f"{criu_pid}-{host.start_time(criu_pid)}"
+    except Exception:
+        return str(criu_pid)

@@ -1,0 +1,53 @@
+"""May this image be restored on this node, and with which device map?
+
+Asked at post-restore, the last moment a restore can still be refused
+cleanly (the tasks exist but have not run). Every reason is one clear line.
+"""
+
+from __future__ import annotations
+
+from cudahook.platform.errors import EnvironmentProblem
+
+from . import annotations as ann
+from .containers import gpu_uuids
+from .context import Context
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
+                 data: dict[str, Any]) -> dict[str, str] | None:
+    """The device map this restore needs (None: the same GPUs), or a refusal."""
+    from cudahook.core.devicemap import compute_device_map, parse_device_map
+
+    feats = ctx.backend.features
+    have, had = feats.major, str(data.get("driver_version", "")).split(".")[0]
+    if had.isdigit() and have and int(had) != have:
+        raise EnvironmentProblem(
+            f"checkpoint was taken with driver {data['driver_version']}, this node runs "
+            f"{feats.version}: restore needs the same driver branch")
+    if not feats.actions and not feats.toggle:
+        raise EnvironmentProblem("cuda-checkpoint on this node supports neither actions nor toggle")
+    source = list(data.get("gpus") or [])
+    node = gpu_uuids(ctx, ["all"])
+    if opts.device_map:
+        mapping: dict[str, str] | None = parse_device_map(opts.device_map)
+        missing = [u for u in (mapping or {}).values() if u not in node]
+    else:
+        visible = (record or {}).get("visible")
+        target = gpu_uuids(ctx, visible) if visible else source
+        missing = [u for u in target if u not in node]
+        mapping = compute_device_map(source, target) if not missing else None
+    if missing:
+        raise EnvironmentProblem(
+            "GPU(s) not present on this node: " + ", ".join(missing)
+            + ("" if record else " (the OCI hook did not see this container; "
+               "register it or set cudahook.io/device-map)"))
+    if mapping and not feats.device_map:
+        raise EnvironmentProblem(
+            f"the restore moves GPUs ({', '.join(f'{a}={b}' for a, b in mapping.items())}) "
+            f"but cuda-checkpoint {feats.version} has no --device-map (driver R580 or newer)")
+    return mapping
