@@ -41,6 +41,9 @@ from .protocol import (
 )
 
 RUNNING, LOCKED, CHECKPOINTED = "running", "locked", "checkpointed"
+# States the driver reports for a process in trouble; tests put a process
+# there with the "sim-force-state" request (never sent by the fake tool).
+FORCEABLE = ("failed", "unknown", "checkpointing", "restoring", RUNNING, LOCKED, CHECKPOINTED)
 PR_SET_NAME = 15
 
 
@@ -80,6 +83,7 @@ class SimCuda:
         self.host_copy: dict[str, bytes] = {}  # name -> content while checkpointed
         self.lost: str | None = None
         self.restore_tid = 0
+        self.visible: list[str] = []  # every GPU CUDA sees in this process
         self._ready = threading.Event()
 
     # -- setup ---------------------------------------------------------------
@@ -87,6 +91,15 @@ class SimCuda:
     def init(self) -> None:
         """cuInit + context creation: GPU connection, device nodes, restore thread."""
         self._acquire(self.gpu_uuid)
+        assert self.chan is not None
+        gpus = self.chan.call({"op": "info"})[0]["gpus"]
+        # As nvidia-container-toolkit sets it up: NVIDIA_VISIBLE_DEVICES names
+        # the container's GPUs; a process outside one sees them all.
+        env = [u.strip() for u in os.environ.get("NVIDIA_VISIBLE_DEVICES", "").split(",")]
+        named = [u for u in env if u.startswith(("GPU-", "MIG-"))]
+        self.visible = named or [g["uuid"] for g in gpus]
+        if self.gpu_uuid not in self.visible:
+            self.visible.append(self.gpu_uuid)
         thread = threading.Thread(target=self._serve, name="cuda-restore", daemon=True)
         thread.start()
         self._ready.wait()
@@ -230,7 +243,12 @@ class SimCuda:
         elif op == "unlock":
             self.unlock()
         elif op == "status":
-            return {"state": self.state, "gpu": self.gpu_uuid, "lost": self.lost, "tag": self.tag}
+            return {"state": self.state, "gpu": self.gpu_uuid, "lost": self.lost, "tag": self.tag,
+                    "visible": self.visible}
+        elif op == "sim-force-state" and msg.get("state") in FORCEABLE:
+            with self.cond:
+                self.state = str(msg["state"])
+                self.cond.notify_all()
         else:
             raise CudaError(INVALID_VALUE, f"unknown request {op!r}")
         return {}
@@ -278,9 +296,7 @@ class SimCuda:
                 raise CudaError(ILLEGAL_STATE)
         target = self.gpu_uuid
         if device_map:
-            if self.gpu_uuid not in device_map:
-                # The driver needs every checkpointed GPU in the map.
-                raise CudaError(INVALID_VALUE)
+            self._check_map(device_map)
             target = device_map[self.gpu_uuid]
         old_uuid = self.gpu_uuid
         try:
@@ -299,8 +315,28 @@ class SimCuda:
             raise CudaError(UNKNOWN, str(exc)) from exc
         self.buffers.update(handles)
         self.host_copy = {}
+        if device_map:
+            self.visible = [device_map.get(u, u) for u in self.visible]
         with self.cond:
             self.state = LOCKED
+
+    def _check_map(self, device_map: dict[str, str]) -> None:
+        """The driver's rules for --device-map: every GPU CUDA sees in the
+        process is listed (cuda-checkpoint #35), and each target is the same
+        chip with at least as much memory. Any breach: "invalid argument"."""
+        if any(u not in device_map for u in self.visible):
+            raise CudaError(INVALID_VALUE)
+        chan = Channel(connect_unix(self.gpu_socket))
+        try:
+            gpus = {g["uuid"]: g for g in chan.call({"op": "info"})[0]["gpus"]}
+        finally:
+            chan.close()
+        for old in self.visible:
+            src, dst = gpus.get(old), gpus.get(device_map[old])
+            if dst is None or (src is not None and (
+                    src["name"] != dst["name"]
+                    or src["memory_total_mib"] > dst["memory_total_mib"])):
+                raise CudaError(INVALID_VALUE)
 
     def unlock(self) -> None:
         with self.cond:
