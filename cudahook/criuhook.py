@@ -262,9 +262,14 @@ def _plan(ctx: Context, call: CriuCall, record: dict[str, Any] | None, opts: ann
     """The device map this restore needs, or a clear refusal."""
     from .devicemap import compute_device_map, parse_device_map
 
-    feats = ctx.backend.features
+    feats = ctx.backend.features  # refuses when this node's driver version is unknown
     have, had = feats.major, str(data.get("driver_version", "")).split(".")[0]
-    if had.isdigit() and have and int(had) != have:
+    if not had.isdigit():
+        # Without it the branch check would pass by default: refuse instead.
+        raise EnvironmentProblem(
+            "the checkpoint does not record the driver version it was taken with: "
+            "cannot check that this node runs the same driver branch")
+    if int(had) != have:
         raise EnvironmentProblem(
             f"checkpoint was taken with driver {data['driver_version']}, this node runs "
             f"{feats.version}: restore needs the same driver branch")

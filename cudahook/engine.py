@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .backends import CHECKPOINTED, LOCKED, RUNNING
+from .backends import CHECKPOINTED, LOCKED, RUNNING, STABLE, explain_state
 from .config import Settings
 from .discovery import CudaProcess, has_device_fd
 from .errors import EnvironmentProblem, PhaseError, ToolError
@@ -145,6 +145,7 @@ class Engine:
                  if fresh_states else {})
         res.initial, errors = self.read_states([p for p in pids if p not in known], tl)
         res.initial.update(known)
+        errors.update(_troubled(res.initial, "nothing was locked"))
         if errors:
             res.errors = errors
             raise PhaseError("checkpoint", _lines(errors), safe=True, result=res)
@@ -216,7 +217,8 @@ class Engine:
             with tl.step(pid, "verify"):
                 final[pid] = self.read_state(pid)
             if final[pid] != RUNNING:
-                raise ToolError(pid, "verify", 0, f"still {final[pid]} after rollback")
+                raise ToolError(pid, "verify", 0,
+                                f"still {explain_state(final[pid])} after rollback")
 
         failures = self._each(pids, back, parallel=True)
         for pid, exc in failures.items():
@@ -249,6 +251,8 @@ class Engine:
                 "has no --device-map (driver R580 or newer)"
             )
         res.initial, errors = self.read_states(pids, tl)
+        # Restoring the others would release a workload that lacks one process.
+        errors.update(_troubled(res.initial, "nothing was restored"))
         if errors:
             res.errors = errors
             raise PhaseError("restore", _lines(errors), safe=False, result=res)
@@ -283,6 +287,7 @@ class Engine:
         pids = sorted({_pid(p) for p in procs})
         res = PhaseResult("unlock", pids, Timeline())
         res.initial, errors = self.read_states(pids, res.timeline)
+        errors.update(_troubled(res.initial, "nothing was unlocked"))
         if errors:
             res.errors = errors
             raise PhaseError("unlock", _lines(errors), safe=False, result=res)
@@ -301,7 +306,7 @@ class Engine:
         res.final, errors = self.read_states(res.pids, res.timeline, step="verify")
         for pid, state in res.final.items():
             if state != RUNNING:
-                errors[pid] = f"pid {pid}: ended {state}, not running"
+                errors[pid] = f"pid {pid}: ended {explain_state(state)}, not running"
         if errors:
             res.errors.update(errors)
             raise PhaseError(res.phase, _lines(res.errors), safe=False, result=res)
@@ -322,6 +327,12 @@ def _describe(pid: int, exc: BaseException, host: Host) -> str:
         return f"pid {pid}: process exited"
     text = str(exc)
     return text if text.startswith(f"pid {pid}") else f"pid {pid}: {text}"
+
+
+def _troubled(states: dict[int, str], outcome: str) -> dict[int, str]:
+    """CUDA processes in a state no phase may act on, each named with it."""
+    return {pid: f"pid {pid}: CUDA process is {explain_state(state)}; {outcome}"
+            for pid, state in states.items() if state not in STABLE}
 
 
 def _lines(errors: dict[int, str]) -> list[str]:

@@ -220,6 +220,21 @@ def test_post_restore_refuses_another_driver_branch(node: Node, tmp_path: Path) 
     parent = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                     CRTOOLS_IMAGE_DIR=str(image))
     assert parent.returncode == 0, parent.stderr
+    # A manifest without a driver version, or a node whose driver cannot be
+    # told, is refused rather than waved through.
+    manifest.write(image, {"container_id": "c", "driver_version": "",
+                           "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}]})
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 5 and "does not record the driver version" in r.stderr, r.stderr
+    manifest.write(image, {"container_id": "c", "driver_version": "580.1.2",
+                           "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}]})
+    node.lab.driver_version_file.unlink()
+    node.lab.stop()  # nvidia-smi cannot answer either
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 5 and "driver version unknown" in r.stderr, r.stderr
+    assert init.poll() is None
 
 
 def test_post_restore_without_manifest_or_with_a_bad_one(node: Node, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ Supports `--query-gpu=FIELDS` and `--query-compute-apps=FIELDS` with
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -34,6 +35,9 @@ def main(argv: list[str], sim_dir: str) -> int:
         chan = Channel(connect_unix(os.path.join(sim_dir, "gpu.sock"), timeout=10))
         info, _ = chan.call({"op": "info"})
         chan.close()
+        # The loaded driver, as /proc/driver/nvidia/version says it.
+        with open(os.path.join(sim_dir, "sim.json")) as f:
+            info["driver_version"] = json.load(f)["driver_version"]
     except OSError:
         print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
               "Make sure that the latest NVIDIA driver is installed and running.")
