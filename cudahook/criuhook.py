@@ -123,11 +123,17 @@ def _need_init(call: CriuCall) -> int:
 
 
 def _gpu_uuids(ctx: Context, visible: list[str] | None) -> list[str]:
+    return _gpus(ctx, visible)[0]
+
+
+def _gpus(ctx: Context, visible: list[str] | None
+          ) -> tuple[list[str], dict[str, tuple[str, int | None]]]:
+    """The UUIDs of the GPUs `visible` names, and every node GPU's (model, MiB)."""
     from .gpus import query_gpus
     from .oci import resolve_uuids
 
     gpus = query_gpus(ctx.host, ctx.settings)
-    return resolve_uuids(visible or ["all"], gpus)
+    return resolve_uuids(visible or ["all"], gpus), {g.uuid: (g.name, g.memory_mib) for g in gpus}
 
 
 # -- dump ---------------------------------------------------------------------
@@ -170,7 +176,7 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
 
     # Everything that can refuse runs before any process is touched.
     try:
-        gpus = _gpu_uuids(ctx, (record or {}).get("visible"))
+        gpus, models = _gpus(ctx, (record or {}).get("visible"))
         version = ctx.backend.features.version
         with_vmm = interposer_prepare(ctx, cid, found.processes, call)
     except CudahookError as exc:
@@ -196,6 +202,9 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
         "created": time.time(),
         "driver_version": version,
         "gpus": gpus,
+        # Model and size of each: a restore elsewhere needs the same chip.
+        "gpu_models": {u: {"name": models[u][0], "memory_mib": models[u][1]}
+                       for u in gpus if u in models},
         "vmm": with_vmm,
         "processes": [{"nspid": p.nspid, "pid": p.pid, "state": p.state}
                       for p in found.processes],
@@ -260,7 +269,7 @@ def spawn_guardian(ctx: Context, criu_pid: int, cid: str | None,
 def _plan(ctx: Context, call: CriuCall, record: dict[str, Any] | None, opts: ann.Options,
           data: dict[str, Any]) -> dict[str, str] | None:
     """The device map this restore needs, or a clear refusal."""
-    from .devicemap import compute_device_map, parse_device_map
+    from .devicemap import check_targets, compute_device_map, parse_device_map
 
     feats = ctx.backend.features  # refuses when this node's driver version is unknown
     have, had = feats.major, str(data.get("driver_version", "")).split(".")[0]
@@ -276,7 +285,7 @@ def _plan(ctx: Context, call: CriuCall, record: dict[str, Any] | None, opts: ann
     if not feats.actions and not feats.toggle:
         raise EnvironmentProblem("cuda-checkpoint on this node supports neither actions nor toggle")
     source = list(data.get("gpus") or [])
-    node = _gpu_uuids(ctx, ["all"])
+    node, now = _gpus(ctx, ["all"])
     if opts.device_map:
         mapping: dict[str, str] | None = parse_device_map(opts.device_map)
         missing = [u for u in (mapping or {}).values() if u not in node]
@@ -294,6 +303,12 @@ def _plan(ctx: Context, call: CriuCall, record: dict[str, Any] | None, opts: ann
         raise EnvironmentProblem(
             f"the restore moves GPUs ({', '.join(f'{a}={b}' for a, b in mapping.items())}) "
             f"but cuda-checkpoint {feats.version} has no --device-map (driver R580 or newer)")
+    if mapping:
+        recorded = data.get("gpu_models") if isinstance(data.get("gpu_models"), dict) else {}
+        models = {u: (str(m.get("name")),
+                      m["memory_mib"] if type(m.get("memory_mib")) is int else None)
+                  for u, m in recorded.items() if isinstance(m, dict)}
+        check_targets(mapping, models, now)
     return mapping
 
 

@@ -245,7 +245,9 @@ class Engine:
         if not pids:
             return res
         feats = self.backend.features
-        if device_map and not feats.device_map:
+        if device_map and (not feats.device_map or self._toggle_only()):
+            # The real tool accepts --toggle --device-map and ignores the map:
+            # a remap only ever goes with --action restore.
             raise EnvironmentProblem(
                 f"the restore needs a GPU remap but cuda-checkpoint {feats.version or ''} "
                 "has no --device-map (driver R580 or newer)"

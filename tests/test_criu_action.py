@@ -183,6 +183,8 @@ def test_pre_dump_runs_once_per_criu_run(node: Node, tmp_path: Path) -> None:
     assert sorted(p["pid"] for p in data["processes"]) == pids
     assert data["driver_version"].startswith("580.")
     assert data["gpus"] == node.lab.uuids  # no OCI record: every GPU of the node
+    assert data["gpu_models"][node.lab.uuids[0]] == {
+        "name": "NVIDIA H100 80GB HBM3 (simulated)", "memory_mib": 81559}
     runs = list((Path(node.settings().state_dir) / "runs").glob("*.json"))
     assert len(runs) == 1 and json.loads(runs[0].read_text())["done"] == {"pre-dump": 0}
 

@@ -365,3 +365,21 @@ def test_multi_process_workload_has_one_cuda_context_per_worker(node) -> None:  
     assert len(pids) == 3 and len(tids) == 3
     procs = node.lab.info()["gpus"][0]["processes"]
     assert {p["pid"] for p in procs} == pids
+
+
+def test_device_map_targets_same_chip_enough_memory_and_toggle_ignores_it(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(gpus=3, gpu_specs=[{}, {"name": "NVIDIA A100-SXM4-80GB (simulated)"},
+                                        {"memory_mib": 40000}])
+    p = node.spawn("w", mib=2)
+    node.lab.wait_counter("w")
+    pid = str(p.pid)
+    a, b, c = node.lab.uuids
+    # --toggle takes a map and ignores it, as the real tool does.
+    assert cc(node, "--toggle", "--pid", pid, "--device-map", f"{a}={c},{b}={b},{c}={a}").returncode == 0
+    assert cc(node, "--get-state", "--pid", pid).stdout == "checkpointed\n"
+    for bad in (f"{a}={b},{b}={a},{c}={c}", f"{a}={c},{b}={b},{c}={a}"):
+        out = cc(node, "--action", "restore", "--pid", pid, "--device-map", bad)
+        assert out.stderr == f'Could not restore on process ID {pid}: "invalid argument"\n'
+    assert cc(node, "--toggle", "--pid", pid, "-d", f"{a}={c},{b}={b},{c}={a}").returncode == 0
+    st = node.lab.wait_counter("w", node.lab.status("w")["counter"] + 5)
+    assert st["gpu"] == a and st["intact"]

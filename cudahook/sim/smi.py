@@ -1,7 +1,10 @@
 """A drop-in `nvidia-smi` for the simulated GPU: the queries cudahook makes.
 
 Supports `--query-gpu=FIELDS` and `--query-compute-apps=FIELDS` with
-`--format=csv[,noheader][,nounits]`, and `-L`.
+`--format=csv[,noheader][,nounits]`, and `-L`. Like the real one it prints
+"No devices were found" and exits 6 when the node has no GPU, reports each
+GPU's persistence mode as configured ("Enabled" unless a GPU says
+"Disabled"), and prints "[N/A]" for fields a GPU's spec marks so.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ GPU_FIELDS = {
     "memory.total": ("memory.total [MiB]", lambda g, i: f"{g['memory_total_mib']}"),
     "memory.used": ("memory.used [MiB]", lambda g, i: f"{g['memory_used_mib']}"),
     "driver_version": ("driver_version", lambda g, i: i["driver_version"]),
-    "persistence_mode": ("persistence_mode", lambda g, i: "Enabled"),
+    "persistence_mode": ("persistence_mode", lambda g, i: g.get("persistence_mode", "Enabled")),
     "pci.bus_id": ("pci.bus_id", lambda g, i: f"00000000:{0x18 + g['index']:02X}:00.0"),
 }
 APP_FIELDS = {
@@ -35,13 +38,24 @@ def main(argv: list[str], sim_dir: str) -> int:
         chan = Channel(connect_unix(os.path.join(sim_dir, "gpu.sock"), timeout=10))
         info, _ = chan.call({"op": "info"})
         chan.close()
-        # The loaded driver, as /proc/driver/nvidia/version says it.
+        # The loaded driver, as /proc/driver/nvidia/version says it, and
+        # what the node's configuration says of each GPU beyond the service.
         with open(os.path.join(sim_dir, "sim.json")) as f:
-            info["driver_version"] = json.load(f)["driver_version"]
+            config = json.load(f)
+        info["driver_version"] = config["driver_version"]
     except OSError:
         print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
               "Make sure that the latest NVIDIA driver is installed and running.")
         return 9
+    if not config.get("gpus"):
+        print("No devices were found")
+        return 6
+    by_uuid = {g["uuid"]: g for g in config["gpus"]}
+    for g in info["gpus"]:
+        spec = by_uuid.get(g["uuid"], {})
+        if "persistence_mode" in spec:
+            g["persistence_mode"] = spec["persistence_mode"]
+        g["fields"] = spec.get("fields", {})
     fmt = next((a.split("=", 1)[1] for a in argv if a.startswith("--format=")), "")
     opts = set(fmt.split(",")) if fmt else set()
     if "-L" in argv or "--list-gpus" in argv:
@@ -68,9 +82,11 @@ def main(argv: list[str], sim_dir: str) -> int:
                 else [(g, p) for g in info["gpus"] for p in g["processes"] if p["kind"] == "cuda"]
             )
             for a, b in rows:
-                values = [table[n][1](a, b) for n in names]
+                # A field the GPU cannot report reads "[N/A]" (MIG, vGPU), no unit.
+                raw = a.get("fields", {}) if kind == "query-gpu" else {}
+                values = [raw.get(n) or table[n][1](a, b) for n in names]
                 if "nounits" not in opts:
-                    values = [v + " MiB" if table[n][0].endswith("[MiB]") else v
+                    values = [v + " MiB" if table[n][0].endswith("[MiB]") and n not in raw else v
                               for n, v in zip(names, values, strict=True)]
                 print(", ".join(values))
             return 0
