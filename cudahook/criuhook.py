@@ -40,7 +40,13 @@ from . import annotations as ann
 from . import manifest, vmm
 from .context import Context
 from .criu_env import CriuCall
-from .discovery import container_pids, discover
+from .discovery import (
+    OpenDeviceFiles,
+    container_pids,
+    describe_holders,
+    device_files,
+    discover,
+)
 from .errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
 from .store import mark, read_json, write_json_atomic
 
@@ -168,6 +174,18 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
                      max_parallel=ctx.settings.max_parallel)
     for w in found.warnings:
         ctx.log("pre-dump", container=cid, warning=w)
+    # A process that is not CUDA but holds NVIDIA device files (an NVML
+    # monitor) makes CRIU's dump fail on a real node; a CUDA checkpoint cannot
+    # release them. Refuse before anything is locked, naming them.
+    others = {pid: files for pid in found.skipped
+              if (files := device_files(ctx.host, pid, ctx.settings.device_regex))}
+    if others:
+        error = OpenDeviceFiles(
+            "CRIU cannot dump open NVIDIA device files: "
+            + describe_holders(others, "not a CUDA process, e.g. NVML")
+            + "; nothing was locked")
+        _remember(ctx, cid, "checkpoint", ok=False, error=str(error))
+        raise error
     if not found.processes:
         ctx.log("pre-dump", container=cid, init_pid=init_pid, cuda_processes=0)
         return Exit.OK
@@ -197,6 +215,25 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
                 timeline=exc.result.timeline.to_dict() if exc.result else None)
         _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
         return int(exc.exit_code)
+    # NVML handles (and a fork()ed child's CUDA references) survive the CUDA
+    # checkpoint, and CRIU fails on them. Only now can they be told from CUDA's
+    # own device files: put every process back on its GPU and say which.
+    leftover = {p.pid: files for p in found.processes
+                if (files := device_files(ctx.host, p.pid, ctx.settings.device_regex))}
+    if leftover:
+        message = ("CRIU cannot dump open NVIDIA device files left after the CUDA checkpoint "
+                   "(NVML handles are not released by it): "
+                   + describe_holders(leftover, "CUDA process"))
+        code = Exit.FAILED
+        try:
+            ctx.engine.restore(found.processes)
+            message += "; every process was restored and runs"
+        except PhaseError as exc:
+            message += f"; rolling back failed: {exc}"
+            code = Exit.UNSAFE
+        ctx.log("checkpoint", container=cid, error=message, pids=found.pids)
+        _remember(ctx, cid, "checkpoint", ok=False, error=message)
+        return code
     data = {
         "container_id": cid,
         "created": time.time(),

@@ -93,6 +93,24 @@ def _descendants(host: Host, root: int) -> list[int]:
     return sorted(found)
 
 
+class OpenDeviceFiles(CudahookError):
+    """Processes hold NVIDIA device files that CRIU cannot dump; nothing was touched
+    (or everything was rolled back)."""
+
+
+def device_files(host: Host, pid: int, pattern: re.Pattern[str]) -> list[str]:
+    """The NVIDIA device files `pid` holds open; [] when it has exited."""
+    try:
+        return sorted({t for t in host.fd_targets(pid) if pattern.search(t)})
+    except ProcessGone:
+        return []
+
+
+def describe_holders(holders: dict[int, list[str]], what: str) -> str:
+    return "; ".join(f"pid {pid} ({what}) holds {', '.join(files)}"
+                     for pid, files in sorted(holders.items()))
+
+
 def has_device_fd(host: Host, pid: int, pattern: re.Pattern[str]) -> bool:
     return any(pattern.search(t) for t in host.fd_targets(pid))
 

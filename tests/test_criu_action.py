@@ -16,7 +16,6 @@ import yaml
 
 from cudahook import criu_env, hookfiles, manifest
 from cudahook.errors import UsageError
-from cudahook.sim.lab import wait_for
 from cudahook.store import mark
 
 from .conftest import Node
@@ -136,17 +135,49 @@ def test_pre_dump_without_cuda_processes(node: Node, tmp_path: Path) -> None:
     script = install(tmp_path, node)
     image = tmp_path / "img"
     image.mkdir()
-    init = node.spawn_tree(("n", {"nvml_only": True}))  # holds device nodes, is no CUDA process
-    wait_for(lambda: node.lab.status("n").get("state") == "running", 15, "nvml workload")
     plain = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], start_new_session=True)
     node.procs.append(plain)  # type: ignore[arg-type]
-    for pid in (init.pid, plain.pid):
-        r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(pid),
-                   CRTOOLS_IMAGE_DIR=str(image))
-        assert r.returncode == 0, r.stderr
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(plain.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 0, r.stderr
     assert os.listdir(image) == []
-    assert [e["cuda_processes"] for e in events(node, "pre-dump")] == [0, 0]
+    assert [e["cuda_processes"] for e in events(node, "pre-dump")] == [0]
     assert events(node, "checkpoint") == []
+
+
+def test_pre_dump_refuses_nvidia_files_criu_cannot_dump(node: Node, tmp_path: Path) -> None:
+    """An NVML monitor (device files, no CUDA) is refused before anything is
+    locked; a CUDA process that also holds NVML handles keeps them past the CUDA
+    checkpoint, so it is put back on its GPU and named. CRIU would fail on both."""
+    script = install(tmp_path, node)
+    image = tmp_path / "img"
+    image.mkdir()
+    init = node.spawn_tree(("n", {"nvml_only": True}), ("c", {"mib": 1}))
+    mon = node.lab.wait_counter("n")["pid"]
+    cuda = node.lab.wait_counter("c")["pid"]
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    dev = node.lab.dev
+    assert (f"pid {mon} (not a CUDA process, e.g. NVML) holds {dev}/nvidia0, {dev}/nvidiactl"
+            in r.stderr and "nothing was locked" in r.stderr)
+    assert os.listdir(image) == [] and events(node, "checkpoint") == []
+    c = node.lab.status("c")["counter"]
+    node.lab.wait_counter("c", c + 3)  # never locked
+
+    both = node.spawn_tree(("b", {"mib": 1, "nvml": True}))
+    st = node.lab.wait_counter("b")
+    assert st["nvml_fds"] == 2
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(both.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"pid {st['pid']} (CUDA process) holds {dev}/nvidia0, {dev}/nvidiactl" in r.stderr
+    assert "every process was restored and runs" in r.stderr
+    assert os.listdir(image) == []  # no manifest, no guardian
+    b = node.lab.status("b")["counter"]
+    st = node.lab.wait_counter("b", b + 11)
+    assert st["intact"] and not st["errors"]
+    assert cuda != st["pid"]
 
 
 PARENT = """
