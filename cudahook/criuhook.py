@@ -41,7 +41,6 @@ from . import manifest, vmm
 from .context import Context
 from .criu_env import CriuCall
 from .discovery import (
-    OpenDeviceFiles,
     container_pids,
     describe_holders,
     device_files,
@@ -180,12 +179,13 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
     others = {pid: files for pid in found.skipped
               if (files := device_files(ctx.host, pid, ctx.settings.device_regex))}
     if others:
-        error = OpenDeviceFiles(
-            "CRIU cannot dump open NVIDIA device files: "
-            + describe_holders(others, "not a CUDA process, e.g. NVML")
-            + "; nothing was locked")
-        _remember(ctx, cid, "checkpoint", ok=False, error=str(error))
-        raise error
+        message = ("CRIU cannot dump open NVIDIA device files: "
+                   + describe_holders(others, "not a CUDA process, e.g. NVML")
+                   + "; nothing was locked")
+        ctx.log("pre-dump", container=cid, init_pid=init_pid, error=message,
+                cuda_processes=len(found.processes))
+        _remember(ctx, cid, "checkpoint", ok=False, error=message)
+        return Exit.FAILED
     if not found.processes:
         ctx.log("pre-dump", container=cid, init_pid=init_pid, cuda_processes=0)
         return Exit.OK

@@ -93,11 +93,6 @@ def _descendants(host: Host, root: int) -> list[int]:
     return sorted(found)
 
 
-class OpenDeviceFiles(CudahookError):
-    """Processes hold NVIDIA device files that CRIU cannot dump; nothing was touched
-    (or everything was rolled back)."""
-
-
 def device_files(host: Host, pid: int, pattern: re.Pattern[str]) -> list[str]:
     """The NVIDIA device files `pid` holds open; [] when it has exited."""
     try:

@@ -4,13 +4,15 @@
     ROOT/driver/version    the driver's /proc/driver/nvidia/version
     ROOT/gpu.sock          the GPU service
     ROOT/bin/cuda-checkpoint, ROOT/bin/nvidia-smi   drop-in tools
-    ROOT/dev/nvidia0..N, nvidiactl, nvidia-uvm      device nodes (plain files)
+    ROOT/dev/nvidia0..N, nvidiactl, nvidia-uvm      device nodes (plain files, for host
+                                                    workloads; runc containers get real
+                                                    character nodes, see runcbox)
     ROOT/ctl/              workloads' restore-thread sockets (host workloads)
     ROOT/status/           workloads' status reports
     ROOT/faults.json       injected faults, read by the fake cuda-checkpoint
 
-Containers bind-mount ROOT/dev/* at /dev/nvidia*, and ROOT (for gpu.sock) at
-/run/cuda-sim; host processes use the paths as they are.
+Containers bind-mount ROOT (for gpu.sock) at /run/cuda-sim and see device
+nodes at /dev/nvidia*; host processes use the paths as they are.
 """
 
 from __future__ import annotations
