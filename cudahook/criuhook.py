@@ -37,7 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import annotations as ann
-from . import manifest, vmm
+from . import criu_env, manifest, vmm
 from .context import Context
 from .criu_env import CriuCall
 from .discovery import (
@@ -191,6 +191,19 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
         return Exit.OK
     if call.image_dir is None:
         raise UsageError("pre-dump: CRTOOLS_IMAGE_DIR is not set")
+    # CRIU's own CUDA plugin locks at seize and checkpoints at dump on its own:
+    # after our checkpoint its lock fails ("illegal state") and the dump with
+    # it; its restore has no device map, no rollback, no VMM step. Two owners
+    # of one process's CUDA state is never safe: refuse before touching any.
+    plugins = criu_env.cuda_plugins()
+    if plugins:
+        message = (f"CRIU's own CUDA plugin is installed ({', '.join(plugins)}) and would "
+                   "checkpoint the same processes: remove it, or stop using cudahook on this "
+                   "node; nothing was locked")
+        ctx.log("pre-dump", container=cid, init_pid=init_pid, error=message,
+                cuda_processes=len(found.processes))
+        _remember(ctx, cid, "checkpoint", ok=False, error=message)
+        return Exit.ENVIRONMENT
 
     # Everything that can refuse runs before any process is touched.
     try:
@@ -355,6 +368,13 @@ def post_restore(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     data = manifest.read(call.image_dir)
     if data is None:
         return Exit.OK
+    plugins = criu_env.cuda_plugins()
+    if plugins:
+        # It would restore and unlock these processes itself, without a
+        # device map, before post-resume: refuse while nothing runs yet.
+        raise EnvironmentProblem(
+            f"CRIU's own CUDA plugin is installed ({', '.join(plugins)}) and would restore "
+            "the same processes: remove it to restore this checkpoint")
     record, ctx, opts = _container(ctx, _need_init(call))
     mapping = _plan(ctx, call, record, opts, data)
     progress["device_map"] = mapping

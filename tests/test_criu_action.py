@@ -281,3 +281,36 @@ def test_post_restore_without_manifest_or_with_a_bad_one(node: Node, tmp_path: P
                CRTOOLS_IMAGE_DIR=str(image))
     assert r.returncode != 0
     assert "malformed process list" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_criu_cuda_plugin_refuses_dump_and_restore(node: Node, tmp_path: Path) -> None:
+    """CRIU's own CUDA plugin would lock, checkpoint and restore the same
+    processes: with it installed, cudahook refuses before touching any."""
+    script = install(tmp_path, node)
+    image = tmp_path / "img"
+    image.mkdir()
+    init = node.spawn_tree(("c", {"mib": 1}))
+    node.lab.wait_counter("c")
+    root = tmp_path / "root"
+    plugin = root / "usr/lib/criu/cuda_plugin.so"
+    plugin.parent.mkdir(parents=True)
+    plugin.write_bytes(b"\x7fELF")
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image), CUDAHOOK_ROOT=str(root))
+    assert r.returncode == 5 and r.stderr.count("\n") == 1, r.stderr
+    assert f"CRIU's own CUDA plugin is installed ({plugin})" in r.stderr
+    assert "nothing was locked" in r.stderr and os.listdir(image) == []
+    node.lab.wait_counter("c", node.lab.status("c")["counter"] + 3)
+
+    libs = tmp_path / "libs"  # CRIU run with CRIU_LIBS_DIR: the same
+    libs.mkdir()
+    (libs / "cuda_plugin.so").write_bytes(b"\x7fELF")
+    manifest.write(image, {"container_id": "c", "driver_version": "580.65.06",
+                           "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}]})
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image), CRIU_LIBS_DIR=str(libs))
+    assert r.returncode == 5 and "would restore the same processes" in r.stderr, r.stderr
+    # Without the plugin both go ahead.
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image), CUDAHOOK_ROOT=str(tmp_path / "empty"))
+    assert r.returncode == 0, r.stderr
