@@ -14,6 +14,10 @@ so the caller can fail closed (kill it) and retry from the intact image.
 Every phase reads the states first and only moves processes that are not
 already where the phase wants them: CRIU 3.19-4.1.1 run each action script
 twice, and a toggle that runs twice undoes itself.
+
+On R590+ the processes of one `--launch-job` job (they share CUDA IPC) are
+driven one at a time - two members at once fail or hang in the driver -
+while different jobs and processes outside any job stay parallel.
 """
 
 from __future__ import annotations
@@ -69,6 +73,10 @@ class PhaseResult:
         }
 
 
+# How a process started with `cuda-checkpoint --launch-job FILE` knows its job.
+JOB_FILE_ENV = "CUDA_CHECKPOINT_JOB_FILE"
+
+
 def _pid(p: CudaProcess | int) -> int:
     return p.pid if isinstance(p, CudaProcess) else int(p)
 
@@ -78,6 +86,7 @@ class Engine:
         self.backend = backend
         self.settings = settings
         self.host = host or Host()
+        self._jobs: dict[int, str | None] = {}  # pid -> job identity, read once
 
     # -- helpers -----------------------------------------------------------
 
@@ -95,8 +104,37 @@ class Engine:
             except (ToolError, ProcessGone, EnvironmentProblem) as exc:
                 failures[pid] = exc
 
-        fan_out(one, pids, self.settings.max_parallel if parallel else 1)
+        def group(members: list[int]) -> None:
+            for pid in members:
+                one(pid)
+
+        # Members of one --launch-job job (R590+) one at a time, jobs and
+        # processes outside any job side by side.
+        groups = self._job_groups(pids) if parallel and len(pids) > 1 else [[p] for p in pids]
+        fan_out(group, groups, self.settings.max_parallel if parallel else 1)
         return failures
+
+    def _job_groups(self, pids: list[int]) -> list[list[int]]:
+        try:
+            jobs = self.backend.features.launch_job
+        except EnvironmentProblem:
+            jobs = False
+        if not jobs:
+            return [[p] for p in pids]
+        groups: dict[str, list[int]] = {}
+        for pid in pids:
+            groups.setdefault(self._job_of(pid) or f"pid:{pid}", []).append(pid)
+        return list(groups.values())
+
+    def _job_of(self, pid: int) -> str | None:
+        """The job a process belongs to: its CUDA_CHECKPOINT_JOB_FILE, by identity."""
+        if pid not in self._jobs:
+            try:
+                path = self.host.environ(pid, JOB_FILE_ENV)
+                self._jobs[pid] = self.host.job_file_id(pid, path) if path else None
+            except (ProcessGone, PermissionError):
+                self._jobs[pid] = None
+        return self._jobs[pid]
 
     def read_state(self, pid: int) -> str:
         if self.backend.features.get_state:

@@ -327,3 +327,47 @@ def test_a_probe_error_other_than_not_cuda_is_not_a_skip(make_node) -> None:  # 
     node.lab.clear_faults()
     found = find(node, engine, init.pid)
     assert pids["small"] in found.pids and pids["nvml"] in found.skipped  # NVML-only: not CUDA
+
+
+def test_r590_job_members_one_at_a_time_beside_an_independent_process(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import shlex
+    import subprocess
+
+    node = make_node(driver=590, bandwidth_mib_s=40)
+    job = tmp_path / "job"
+    job.write_text("{}\n")
+    tool = str(node.lab.cuda_checkpoint)
+    members = " ".join(f"{tool} --launch-job {job} {shlex.join(node.lab.workload_argv(t, mib=8))} &"
+                       for t in ("j0", "j1"))
+    solo = shlex.join(node.lab.workload_argv("free", mib=8))
+    init = subprocess.Popen(["bash", "-c", f"{members} {solo} & wait"], env=node.lab.workload_env(),
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    node.procs.append(init)
+    pids = {t: node.lab.wait_counter(t, 2)["pid"] for t in ("j0", "j1", "free")}
+
+    # The driver cannot drive two members of one job at once.
+    for t in ("j0", "j1"):
+        assert subprocess.run([tool, "--action", "lock", "--pid", str(pids[t])]).returncode == 0
+    calls = [subprocess.Popen([tool, "--action", "checkpoint", "--pid", str(pids[t])],
+                              stderr=subprocess.PIPE, text=True) for t in ("j0", "j1")]
+    outs = [(c.wait(timeout=30), c.stderr.read()) for c in calls]  # type: ignore[union-attr]
+    assert sorted(rc for rc, _ in outs) == [0, 1]
+    assert any('"the operation cannot be performed in the present state"' in e for _, e in outs)
+    engine = node.engine()
+    engine.restore([pids["j0"], pids["j1"]])
+
+    frozen = {t: node.lab.status(t)["counter"] for t in pids}
+    procs = find(node, engine, init.pid).processes
+    assert sorted(p.pid for p in procs) == sorted(pids.values())
+    res = engine.checkpoint(procs)
+    assert res.ok, res.errors
+    spans = {pid: [(s.start, s.end) for s in res.timeline.steps if s.pid == pid and
+                   s.step in ("lock", "checkpoint")] for pid in pids.values()}
+    steps = sorted(spans[pids["j0"]] + spans[pids["j1"]])
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(steps))  # one member at a time
+    free = spans[pids["free"]]
+    assert any(s < e2 and s2 < e for s, e in free for s2, e2 in steps)  # beside them
+    engine.restore(procs)
+    for t in pids:
+        st = node.lab.wait_counter(t, frozen[t] + 11)
+        assert st["intact"] and not st["errors"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cudahook.backends.cli import parse_help
+from cudahook.sim import tool as simtool
 from cudahook.sim.tool import help_text
 
 
@@ -383,3 +384,16 @@ def test_device_map_targets_same_chip_enough_memory_and_toggle_ignores_it(make_n
     assert cc(node, "--toggle", "--pid", pid, "-d", f"{a}={c},{b}={b},{c}={a}").returncode == 0
     st = node.lab.wait_counter("w", node.lab.status("w")["counter"] + 5)
     assert st["gpu"] == a and st["intact"]
+
+
+def test_r590_help_adds_jobs_to_r580(make_node) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.backends.cli import features_for
+
+    node = make_node(driver=590)
+    out = cc(node, "--help")
+    assert out.returncode == 0 and out.stdout == help_text(590)
+    assert "--launch-job <job_file>" in out.stdout
+    assert without_version(out.stdout.replace(simtool.JOB_OPERATION, "")) == without_version(
+        help_text(580))
+    assert parse_help(out.stdout).launch_job and features_for("590.44.01").launch_job
+    assert not features_for("580.65.06").launch_job

@@ -84,6 +84,9 @@ class SimCuda:
         self.lost: str | None = None
         self.restore_tid = 0
         self.visible: list[str] = []  # every GPU CUDA sees in this process
+        # A --launch-job member (R590+): the driver cannot drive two members
+        # of one job at once.
+        self.job_file = os.environ.get("CUDA_CHECKPOINT_JOB_FILE", "")
         self._ready = threading.Event()
 
     # -- setup ---------------------------------------------------------------
@@ -234,14 +237,16 @@ class SimCuda:
             return {"state": self.state}
         if op == "get-restore-tid":
             return {"tid": self.restore_tid}
-        if op == "lock":
-            self.lock(int(msg.get("timeout_ms", 0)))
-        elif op == "checkpoint":
-            self.checkpoint()
-        elif op == "restore":
-            self.restore(msg.get("device_map") or {})
-        elif op == "unlock":
-            self.unlock()
+        if op in ("lock", "checkpoint", "restore", "unlock"):
+            with self._job_turn():
+                if op == "lock":
+                    self.lock(int(msg.get("timeout_ms", 0)))
+                elif op == "checkpoint":
+                    self.checkpoint()
+                elif op == "restore":
+                    self.restore(msg.get("device_map") or {})
+                else:
+                    self.unlock()
         elif op == "status":
             return {"state": self.state, "gpu": self.gpu_uuid, "lost": self.lost, "tag": self.tag,
                     "visible": self.visible}
@@ -252,6 +257,25 @@ class SimCuda:
         else:
             raise CudaError(INVALID_VALUE, f"unknown request {op!r}")
         return {}
+
+    @contextlib.contextmanager
+    def _job_turn(self):  # type: ignore[no-untyped-def]
+        """Hold the job's turn for one operation; another member already
+        holding it makes this one fail, as the driver does."""
+        if not self.job_file:
+            yield
+            return
+        import fcntl
+
+        fd = os.open(self.job_file + ".busy", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CudaError(ILLEGAL_STATE) from None
+            yield
+        finally:
+            os.close(fd)  # nothing of the job left open for CRIU
 
     def lock(self, timeout_ms: int) -> None:
         with self.cond:

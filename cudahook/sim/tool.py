@@ -33,7 +33,8 @@ from .wire import (
 )
 
 # The driver release each emulated branch reports (R550 and R555 as recorded).
-VERSIONS = {550: "550.163.01", 555: "555.58.02", 570: "570.86.10", 580: "580.65.06"}
+VERSIONS = {550: "550.163.01", 555: "555.58.02", 570: "570.86.10", 580: "580.65.06",
+            590: "590.44.01"}
 COPYRIGHT = {550: 2024, 555: 2024}
 
 # The real help text (recorded from driver 555.58.02; 570.86.10 prints the
@@ -58,6 +59,7 @@ HELP = (
     "--get-restore-tid --pid <pid>\n"
     "\tRetrieves the CUDA restore thread ID of the process specified by <pid>\n"
     "\n"
+    "{job_operation}"
     "Options:\n"
     "--pid|-p <pid>\n"
     "\tThe pid upon which to perform the operation\n"
@@ -76,6 +78,14 @@ MAP_OPTION = (
     "Every GPU used by the checkpointed process must be listed.\n"
     "\n"
 )
+# R590 adds jobs. Not recorded from a real driver yet: the evidence
+# recorder compares it on the first R590 node it meets.
+JOB_OPERATION = (
+    "--launch-job <job_file> <command> [<args>...]\n"
+    "\tLaunches <command> as a member of the job described by <job_file>; operations on "
+    "the processes of one job must be performed one at a time\n"
+    "\n"
+)
 INVALID = "Invalid option(s) or option(s) not supported by this CUDA Driver"
 ACTIONS = ("lock", "checkpoint", "restore", "unlock")
 
@@ -84,7 +94,8 @@ def help_text(major: int) -> str:
     """The help the emulated driver prints; R550 has none (see `main`)."""
     version = VERSIONS.get(major, f"{major}.00.00")
     return HELP.format(version=version, year=COPYRIGHT.get(major, 2025),
-                       map_option=MAP_OPTION if major >= 580 else "")
+                       map_option=MAP_OPTION if major >= 580 else "",
+                       job_operation=JOB_OPERATION if major >= 590 else "")
 
 
 def fail_text(op: str, pid: int, error: str) -> str:
@@ -224,6 +235,8 @@ def main(argv: list[str], sim_dir: str, prog: str = "cuda-checkpoint") -> int:
     major = int(str(config["driver_version"]).split(".")[0])
     if major < 555:
         return _main_r550(argv, config, sim_dir)
+    if major >= 590 and argv[:1] == ["--launch-job"]:
+        return _launch_job(argv[1:], major)
     try:
         opts = parse_args(argv, major, prog)
     except Usage as exc:
@@ -269,6 +282,19 @@ def main(argv: list[str], sim_dir: str, prog: str = "cuda-checkpoint") -> int:
     elif op == "get-restore-tid":
         print(reply["tid"])
     return 0
+
+
+def _launch_job(argv: list[str], major: int) -> int:
+    """`--launch-job FILE CMD...`: CMD runs as a job member (its CUDA runtime
+    reads CUDA_CHECKPOINT_JOB_FILE)."""
+    if len(argv) < 2:
+        return _usage(Usage("Missing job file or command to launch"), major)
+    os.environ["CUDA_CHECKPOINT_JOB_FILE"] = os.path.abspath(argv[0])
+    try:
+        os.execvp(argv[1], argv[1:])
+    except OSError as exc:
+        sys.stderr.write(f"Could not launch {argv[1]}: {exc.strerror}\n")
+    return 1
 
 
 def _main_r550(argv: list[str], config: dict, sim_dir: str) -> int:
