@@ -56,6 +56,18 @@ def main(argv: list[str], sim_dir: str) -> int:
         if "persistence_mode" in spec:
             g["persistence_mode"] = spec["persistence_mode"]
         g["fields"] = spec.get("fields", {})
+    if argv[:1] in (["-pm"], ["--persistence-mode"]) and argv[1:2] in (["0"], ["1"]):
+        # Every GPU's mode, kept in the node's configuration for later queries.
+        mode = "Enabled" if argv[1] == "1" else "Disabled"
+        for g, spec in zip(info["gpus"], config["gpus"], strict=False):
+            spec["persistence_mode"] = mode
+            print(f"{mode} persistence mode for GPU 00000000:{0x18 + g['index']:02X}:00.0.")
+        print("All done.")
+        tmp = os.path.join(sim_dir, ".sim.json.smi")
+        with open(tmp, "w") as f:
+            json.dump(config, f, indent=1)
+        os.replace(tmp, os.path.join(sim_dir, "sim.json"))
+        return 0
     fmt = next((a.split("=", 1)[1] for a in argv if a.startswith("--format=")), "")
     opts = set(fmt.split(",")) if fmt else set()
     if "-L" in argv or "--list-gpus" in argv:
