@@ -111,3 +111,14 @@ def test_gpus_and_features(node: Node) -> None:
     r = cli("--json", "features", config=cfg)
     f = json.loads(r.stdout)
     assert f["version"] == "580.65.06" and f["device_map"]
+
+
+def test_unknown_driver_version_refuses_the_checkpoint(node: Node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    init = node.spawn_tree(("a", {"mib": 1}))
+    node.lab.wait_counter("a")
+    cfg = write_config(node, driver_version_file=str(tmp_path / "absent"),
+                       nvidia_smi=str(tmp_path / "no-smi"))
+    r = cli("checkpoint", "--init-pid", str(init.pid), config=cfg)
+    one_line_error(r, 5, "NVIDIA driver version unknown")
+    assert cli("state", "--pid", str(node.lab.status("a")["pid"]),
+               config=write_config(node)).stdout.split()[1] == "running"
