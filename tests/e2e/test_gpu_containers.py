@@ -4,6 +4,7 @@ real runc and CRIU and the simulated GPU."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -73,7 +74,10 @@ def test_hook_not_registered_the_dump_is_refused(make_env, tmp_path) -> None:  #
     r = env.box.checkpoint(cid, tmp_path / "img")
     assert r.returncode != 0
     dump_log = (tmp_path / "img.work" / "dump.log").read_text()
-    assert "External socket is used" in dump_log  # the live GPU connection
+    # The live GPU: an open /dev/nvidia* node (a character device CRIU cannot
+    # dump), or the connection to the GPU service, whichever CRIU meets first.
+    assert ("External socket is used" in dump_log
+            or re.search(r"Can't dump file \d+ of that type \[\d+\] \(chr ", dump_log)), dump_log[-2000:]
     env.wait_running(tags, before)
 
 
