@@ -336,6 +336,10 @@ def _plan(ctx: Context, call: CriuCall, record: dict[str, Any] | None, opts: ann
         raise EnvironmentProblem("cuda-checkpoint on this node supports neither actions nor toggle")
     source = list(data.get("gpus") or [])
     node, now = _gpus(ctx, ["all"])
+    if any(u.startswith("MIG-") for u in source):
+        from .gpus import mig_uuids
+
+        node = [*node, *mig_uuids(ctx.host, ctx.settings)]
     if opts.device_map:
         mapping: dict[str, str] | None = parse_device_map(opts.device_map)
         missing = [u for u in (mapping or {}).values() if u not in node]

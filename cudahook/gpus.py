@@ -55,3 +55,14 @@ def query_gpus(host: Host, settings: Settings) -> list[Gpu]:
         gpus.append(Gpu(int(index), uuid, name, memory, "" if _na(driver) else driver,
                         None if _na(persist) else persist == "Enabled"))
     return gpus
+
+
+def mig_uuids(host: Host, settings: Settings) -> list[str]:
+    """MIG instances this node has (`nvidia-smi -L`): --query-gpu lists whole
+    GPUs only, so a container on a MIG instance is checked against these."""
+    import re
+
+    result = host.run([settings.tool("nvidia_smi"), "-L"], 30)
+    if not result.ok:
+        return []
+    return re.findall(r"\(UUID: (MIG-[^)\s]+)\)", result.stdout)

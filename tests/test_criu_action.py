@@ -314,3 +314,26 @@ def test_criu_cuda_plugin_refuses_dump_and_restore(node: Node, tmp_path: Path) -
     r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                CRTOOLS_IMAGE_DIR=str(image), CUDAHOOK_ROOT=str(tmp_path / "empty"))
     assert r.returncode == 0, r.stderr
+
+
+def test_post_restore_of_a_mig_instance_in_place(make_node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A container on a MIG instance comes back on it: nvidia-smi's GPU query
+    does not list MIG instances, `-L` does."""
+    mig = "MIG-5a2f2d1e-8c3b-5e0a-9d7c-1b2c3d4e5f60"
+    node = make_node(gpus=2, gpu_specs=[{"uuid": mig}])
+    script = install(tmp_path, node)
+    image = tmp_path / "img"
+    image.mkdir()
+    init = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    node.procs.append(init)  # type: ignore[arg-type]
+    manifest.write(image, {"container_id": "c", "driver_version": "580.65.06",
+                           "gpus": [mig], "processes": [{"nspid": 7, "pid": 7}]})
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 0, r.stderr
+    gone = "MIG-00000000-0000-0000-0000-000000000000"
+    manifest.write(image, {"container_id": "c", "driver_version": "580.65.06",
+                           "gpus": [gone], "processes": [{"nspid": 7, "pid": 7}]})
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 5 and f"not present on this node: {gone}" in r.stderr, r.stderr

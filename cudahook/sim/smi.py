@@ -17,7 +17,7 @@ from .protocol import Channel, connect_unix
 
 GPU_FIELDS = {
     "index": ("index", lambda g, i: str(g["index"])),
-    "uuid": ("uuid", lambda g, i: g["uuid"]),
+    "uuid": ("uuid", lambda g, i: g.get("parent", g["uuid"])),
     "name": ("name", lambda g, i: g["name"]),
     "memory.total": ("memory.total [MiB]", lambda g, i: f"{g['memory_total_mib']}"),
     "memory.used": ("memory.used [MiB]", lambda g, i: f"{g['memory_used_mib']}"),
@@ -56,6 +56,9 @@ def main(argv: list[str], sim_dir: str) -> int:
         if "persistence_mode" in spec:
             g["persistence_mode"] = spec["persistence_mode"]
         g["fields"] = spec.get("fields", {})
+        if g["uuid"].startswith("MIG-"):
+            # A MIG instance: the GPU query shows its parent GPU, -L both.
+            g["parent"] = spec.get("parent") or "GPU-" + g["uuid"][4:]
     if argv[:1] in (["-pm"], ["--persistence-mode"]) and argv[1:2] in (["0"], ["1"]):
         # Every GPU's mode, kept in the node's configuration for later queries.
         mode = "Enabled" if argv[1] == "1" else "Disabled"
@@ -72,7 +75,9 @@ def main(argv: list[str], sim_dir: str) -> int:
     opts = set(fmt.split(",")) if fmt else set()
     if "-L" in argv or "--list-gpus" in argv:
         for g in info["gpus"]:
-            print(f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})")
+            print(f"GPU {g['index']}: {g['name']} (UUID: {g.get('parent', g['uuid'])})")
+            if "parent" in g:
+                print(f"  MIG 1g.10gb     Device  0: (UUID: {g['uuid']})")
         return 0
     for arg in argv:
         if arg.startswith(("--query-gpu=", "--query-compute-apps=")):
