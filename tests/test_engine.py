@@ -371,3 +371,22 @@ def test_r590_job_members_one_at_a_time_beside_an_independent_process(make_node,
     for t in pids:
         st = node.lab.wait_counter(t, frozen[t] + 11)
         assert st["intact"] and not st["errors"]
+
+
+def test_a_checkpoint_in_progress_elsewhere_is_named_not_touched(make_node) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+
+    node = make_node(driver=580, bandwidth_mib_s=10)
+    node.lab.set(transient_states=True)
+    p = node.spawn("w", mib=16)
+    node.lab.wait_counter("w")
+    engine = node.engine()
+    tool = str(node.lab.cuda_checkpoint)
+    assert subprocess.run([tool, "--action", "lock", "--pid", str(p.pid)]).returncode == 0
+    other = subprocess.Popen([tool, "--action", "checkpoint", "--pid", str(p.pid)])
+    time.sleep(0.3)
+    with pytest.raises(PhaseError, match=f"pid {p.pid}: CUDA process is still checkpointing"):
+        engine.checkpoint([p.pid])
+    assert other.wait(timeout=30) == 0
+    engine.restore([p.pid])
+    assert node.lab.wait_counter("w", node.lab.status("w")["counter"] + 11)["intact"]

@@ -397,3 +397,25 @@ def test_r590_help_adds_jobs_to_r580(make_node) -> None:  # type: ignore[no-unty
         help_text(580))
     assert parse_help(out.stdout).launch_job and features_for("590.44.01").launch_job
     assert not features_for("580.65.06").launch_job
+
+
+def test_cuda_13_4_reports_checkpointing_and_restoring_meanwhile(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(bandwidth_mib_s=20)
+    node.lab.set(transient_states=True)
+    p = node.spawn("w", mib=16)
+    node.lab.wait_counter("w")
+    pid = str(p.pid)
+    assert cc(node, "--action", "lock", "--pid", pid).returncode == 0
+    for action, during, after in (("checkpoint", "checkpointing", "checkpointed"),
+                                  ("restore", "restoring", "locked")):
+        call = subprocess.Popen([str(node.lab.cuda_checkpoint), "--action", action, "--pid", pid])
+        seen = set()
+        while call.poll() is None:
+            seen.add(cc(node, "--get-state", "--pid", pid).stdout.strip())
+        assert call.returncode == 0 and during in seen, seen
+        illegal = "unlock" if after == "checkpointed" else "lock"
+        assert cc(node, "--action", illegal, "--pid", pid).returncode == 1
+        assert cc(node, "--get-state", "--pid", pid).stdout == f"{after}\n"
+    assert cc(node, "--action", "unlock", "--pid", pid).returncode == 0
+    st = node.lab.wait_counter("w", node.lab.status("w")["counter"] + 11)
+    assert st["intact"] and not st["errors"]

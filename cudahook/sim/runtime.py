@@ -41,6 +41,8 @@ from .protocol import (
 )
 
 RUNNING, LOCKED, CHECKPOINTED = "running", "locked", "checkpointed"
+# CUDA 13.4+ reports a checkpoint or restore in progress.
+CHECKPOINTING, RESTORING = "checkpointing", "restoring"
 # States the driver reports for a process in trouble; tests put a process
 # there with the "sim-force-state" request (never sent by the fake tool).
 FORCEABLE = ("failed", "unknown", "checkpointing", "restoring", RUNNING, LOCKED, CHECKPOINTED)
@@ -242,9 +244,9 @@ class SimCuda:
                 if op == "lock":
                     self.lock(int(msg.get("timeout_ms", 0)))
                 elif op == "checkpoint":
-                    self.checkpoint()
+                    self.checkpoint(bool(msg.get("transient")))
                 elif op == "restore":
-                    self.restore(msg.get("device_map") or {})
+                    self.restore(msg.get("device_map") or {}, bool(msg.get("transient")))
                 else:
                     self.unlock()
         elif op == "status":
@@ -291,11 +293,25 @@ class SimCuda:
                     raise CudaError(TIMEOUT)
                 self.cond.wait(left)
 
-    def checkpoint(self) -> None:
+    def _begin(self, need: str, during: str | None) -> None:
+        """Check the state an operation needs; with `during` (CUDA 13.4+),
+        report that state while the operation runs."""
         with self.cond:
-            if self.state != LOCKED:
+            if self.state != need:
                 raise CudaError(ILLEGAL_STATE)
+            if during:
+                self.state = during
+
+    def _undo(self, back: str, during: str | None) -> None:
+        if during:
+            with self.cond:
+                self.state = back
+
+    def checkpoint(self, transient: bool = False) -> None:
+        during = CHECKPOINTING if transient else None
+        self._begin(LOCKED, during)
         if self.chan is None:
+            self._undo(LOCKED, during)
             raise CudaError(UNKNOWN, self.lost or "no GPU context")
         copy: dict[str, bytes] = {}
         try:
@@ -306,7 +322,11 @@ class SimCuda:
                 copy[name] = data
                 self._transfer_cost(len(data))
         except GpuLost as exc:
+            self._undo(LOCKED, during)
             raise CudaError(UNKNOWN, str(exc)) from exc
+        except CudaError:
+            self._undo(LOCKED, during)
+            raise
         self.host_copy = copy
         self.vmm_pending |= self.vmm & set(self.buffers)
         self.buffers = {}
@@ -314,13 +334,16 @@ class SimCuda:
         with self.cond:
             self.state = CHECKPOINTED
 
-    def restore(self, device_map: dict[str, str]) -> None:
-        with self.cond:
-            if self.state != CHECKPOINTED:
-                raise CudaError(ILLEGAL_STATE)
+    def restore(self, device_map: dict[str, str], transient: bool = False) -> None:
+        during = RESTORING if transient else None
+        self._begin(CHECKPOINTED, during)
         target = self.gpu_uuid
         if device_map:
-            self._check_map(device_map)
+            try:
+                self._check_map(device_map)
+            except CudaError:
+                self._undo(CHECKPOINTED, during)
+                raise
             target = device_map[self.gpu_uuid]
         old_uuid = self.gpu_uuid
         try:
@@ -334,6 +357,7 @@ class SimCuda:
             # A failed restore leaves the process checkpointed (cuda-checkpoint #44).
             self._release()
             self.gpu_uuid = old_uuid
+            self._undo(CHECKPOINTED, during)
             if isinstance(exc, CudaError):
                 raise
             raise CudaError(UNKNOWN, str(exc)) from exc
@@ -377,29 +401,49 @@ class SimCuda:
 def serve_forever(listener: socket.socket,
                   handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """One request per connection, answered in order: the driver serialises a
-    process's checkpoint operations the same way."""
+    process's checkpoint operations the same way. A checkpoint or restore
+    that reports its progress (CUDA 13.4+) runs beside the loop, so that
+    --get-state can say "checkpointing" or "restoring" meanwhile."""
     while True:
         try:
             conn, _ = listener.accept()
         except OSError:
             time.sleep(0.01)
             continue
-        with conn:
-            stream = conn.makefile("rwb")
-            try:
-                msg, _ = recv(stream)
-                try:
-                    reply = handle(msg)
-                    reply["ok"] = True
-                except CudaError as exc:
-                    reply = {"ok": False, "code": exc.code, "error": str(exc)}
-                except GpuLost as exc:
-                    reply = {"ok": False, "code": UNKNOWN, "error": str(exc)}
-                send(stream, reply)
-            except (EOFError, OSError, ValueError):
-                pass
-            finally:
-                # The socket's fd stays open while its file object does; a
-                # leftover peer would make CRIU refuse the dump.
-                with contextlib.suppress(OSError):
-                    stream.close()
+        stream = conn.makefile("rwb")
+        try:
+            msg, _ = recv(stream)
+        except (EOFError, OSError, ValueError):
+            _close(conn, stream)
+            continue
+        if msg.get("transient") and msg.get("op") in ("checkpoint", "restore"):
+            threading.Thread(target=_answer, args=(conn, stream, msg, handle),
+                             name="cuda-restore-op", daemon=True).start()
+        else:
+            _answer(conn, stream, msg, handle)
+
+
+def _answer(conn: socket.socket, stream: Any, msg: dict[str, Any],
+            handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    try:
+        try:
+            reply = handle(msg)
+            reply["ok"] = True
+        except CudaError as exc:
+            reply = {"ok": False, "code": exc.code, "error": str(exc)}
+        except GpuLost as exc:
+            reply = {"ok": False, "code": UNKNOWN, "error": str(exc)}
+        send(stream, reply)
+    except (EOFError, OSError, ValueError):
+        pass
+    finally:
+        _close(conn, stream)
+
+
+def _close(conn: socket.socket, stream: Any) -> None:
+    # The socket's fd stays open while its file object does; a leftover peer
+    # would make CRIU refuse the dump.
+    with contextlib.suppress(OSError):
+        stream.close()
+    with contextlib.suppress(OSError):
+        conn.close()

@@ -267,6 +267,8 @@ def main(argv: list[str], sim_dir: str, prog: str = "cuda-checkpoint") -> int:
     request: dict[str, object] = {"op": op}
     if op == "lock":
         request["timeout_ms"] = timeout_ms  # 0: no timeout; other actions ignore it
+    elif op in ("checkpoint", "restore") and config.get("transient_states"):
+        request["transient"] = True  # CUDA 13.4+: get-state reports the phase meanwhile
     try:
         # --device-map only means something to a restore action; with --toggle
         # the real tool accepts it and ignores it.
