@@ -16,9 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from cudahook.core.backends.cli import parse_help
-
 from cudahook.core.backends import STATES, Features
+from cudahook.core.backends.cli import features_for
 from cudahook.platform.errors import ToolError
 
 
@@ -26,13 +25,10 @@ class OneAttachBackend:
     name = "one-attach (prototype)"
 
     def __init__(self, sim_root: Path):
-        from cudahook.sim.tool import help_text
-
         self.root = Path(sim_root)
         cfg = json.loads((self.root / "sim.json").read_text())
         self.latency = float(cfg.get("attach_latency_s", 0))
-        major = int(str(cfg["driver_version"]).split(".")[0])
-        self._features = parse_help(help_text(major))
+        self._features = features_for(str(cfg["driver_version"]))
         self._attached = False
         self._lock = threading.Lock()
 
@@ -48,14 +44,13 @@ class OneAttachBackend:
 
     def _ask(self, pid: int, action: str, request: dict[str, object]) -> dict[str, object]:
         from cudahook.sim.protocol import CudaError
-        from cudahook.sim.tool import FAIL_TEXT, _ask
+        from cudahook.sim.tool import _ask, fail_text
 
         self._attach()
         try:
             return _ask(pid, request)
         except CudaError as exc:
-            raise ToolError(pid, action, exc.code & 0xFF,
-                            f'{FAIL_TEXT[action].format(pid=pid)}: "{exc}"') from None
+            raise ToolError(pid, action, 1, fail_text(action, pid, str(exc))) from None
 
     def get_state(self, pid: int) -> str:
         state = str(self._ask(pid, "get-state", {"op": "get-state"})["state"])

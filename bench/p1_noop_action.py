@@ -166,7 +166,8 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                 "py-pass": sp([PYTHON, "-I", "-c", "pass"]),
                 "py-import-hook": sp([PYTHON, "-I", "-c", "import cudahook.hooks.criu_action"]),
                 "py-hook-prelude": sp([PYTHON, "-I", "-c",
-                                       "import cudahook.hooks.criu_action; from cudahook.platform import config; "
+                                       "import cudahook.hooks.criu_action; "
+                                       "from cudahook.platform import config; "
                                        f"config.load({str(cfg)!r})"]),
                 "py-pass-S": sp([PYTHON, "-I", "-S", "-c", "pass"]),
                 # What two fixes would give (evidence for docs/performance.md):
@@ -213,7 +214,8 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
         # Where the time goes.
         res.extra["importtime_hook"] = importtime_top("import cudahook.hooks.criu_action", 15)
         res.extra["importtime_prelude"] = importtime_top(
-            f"import cudahook.hooks.criu_action; from cudahook.platform import config; config.load({str(cfg)!r})", 15)
+            "import cudahook.hooks.criu_action; from cudahook.platform import config; "
+            f"config.load({str(cfg)!r})", 15)
         res.extra["importtime_pass"] = importtime_top("pass", 8)
         mods = new_modules(f"import cudahook.hooks.criu_action; from cudahook.platform import config; "
                            f"config.load({str(cfg)!r})")

@@ -78,10 +78,14 @@ def test_checkpoint_and_remapped_restore_by_init_pid(make_node) -> None:  # type
     assert {s["step"] for s in out["timeline"]["steps"]} >= {"get-state", "lock", "checkpoint"}
     frozen = {t: node.lab.status(t)["counter"] for t in tags}
     u = node.lab.uuids
+    # Host processes see both GPUs, and the driver wants every one of them mapped.
     r = cli("--json", "restore", "--init-pid", str(init.pid), "--source-gpus", u[0],
             "--target-gpus", u[1], config=cfg)
+    assert r.returncode == 4 and '"invalid argument"' in r.stderr
+    r = cli("--json", "restore", "--init-pid", str(init.pid), "--device-map",
+            f"{u[0]}={u[1]},{u[1]}={u[0]}", config=cfg)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["device_map"] == {u[0]: u[1]}
+    assert json.loads(r.stdout)["device_map"] == {u[0]: u[1], u[1]: u[0]}
     for t in tags:
         st = node.lab.wait_counter(t, frozen[t] + 11)
         assert st["gpu"] == u[1] and st["intact"] and not st["errors"]
@@ -93,7 +97,8 @@ def test_failed_checkpoint_exits_1_and_workload_runs(node: Node) -> None:
     b = node.lab.wait_counter("b")["pid"]
     node.lab.fault("checkpoint", pid=b, code=2)
     r = cli("checkpoint", "--init-pid", str(init.pid), config=write_config(node))
-    one_line_error(r, 1, f'pid {b}: checkpoint exit 2: Could not checkpoint on process ID {b}')
+    one_line_error(r, 1, f'pid {b}: checkpoint exit 1: '
+                   f'Could not checkpoint on process ID {b}: "out of memory"')
     cfg = write_config(node)
     assert cli("state", "--pid", str(a), "--pid", str(b), config=cfg).stdout.split() == [
         str(a), "running", str(b), "running"]
@@ -106,3 +111,14 @@ def test_gpus_and_features(node: Node) -> None:
     r = cli("--json", "features", config=cfg)
     f = json.loads(r.stdout)
     assert f["version"] == "580.65.06" and f["device_map"]
+
+
+def test_unknown_driver_version_refuses_the_checkpoint(node: Node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    init = node.spawn_tree(("a", {"mib": 1}))
+    node.lab.wait_counter("a")
+    cfg = write_config(node, driver_version_file=str(tmp_path / "absent"),
+                       nvidia_smi=str(tmp_path / "no-smi"))
+    r = cli("checkpoint", "--init-pid", str(init.pid), config=cfg)
+    one_line_error(r, 5, "NVIDIA driver version unknown")
+    assert cli("state", "--pid", str(node.lab.status("a")["pid"]),
+               config=write_config(node)).stdout.split()[1] == "running"

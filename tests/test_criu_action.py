@@ -19,7 +19,6 @@ from cudahook.core import manifest
 from cudahook.hooks import criu_env
 from cudahook.platform.errors import UsageError
 from cudahook.platform.store import mark
-from cudahook.sim.lab import wait_for
 
 from .conftest import Node
 
@@ -138,17 +137,49 @@ def test_pre_dump_without_cuda_processes(node: Node, tmp_path: Path) -> None:
     script = install(tmp_path, node)
     image = tmp_path / "img"
     image.mkdir()
-    init = node.spawn_tree(("n", {"nvml_only": True}))  # holds device nodes, is no CUDA process
-    wait_for(lambda: node.lab.status("n").get("state") == "running", 15, "nvml workload")
     plain = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], start_new_session=True)
     node.procs.append(plain)  # type: ignore[arg-type]
-    for pid in (init.pid, plain.pid):
-        r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(pid),
-                   CRTOOLS_IMAGE_DIR=str(image))
-        assert r.returncode == 0, r.stderr
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(plain.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 0, r.stderr
     assert os.listdir(image) == []
-    assert [e["cuda_processes"] for e in events(node, "pre-dump")] == [0, 0]
+    assert [e["cuda_processes"] for e in events(node, "pre-dump")] == [0]
     assert events(node, "checkpoint") == []
+
+
+def test_pre_dump_refuses_nvidia_files_criu_cannot_dump(node: Node, tmp_path: Path) -> None:
+    """An NVML monitor (device files, no CUDA) is refused before anything is
+    locked; a CUDA process that also holds NVML handles keeps them past the CUDA
+    checkpoint, so it is put back on its GPU and named. CRIU would fail on both."""
+    script = install(tmp_path, node)
+    image = tmp_path / "img"
+    image.mkdir()
+    init = node.spawn_tree(("n", {"nvml_only": True}), ("c", {"mib": 1}))
+    mon = node.lab.wait_counter("n")["pid"]
+    cuda = node.lab.wait_counter("c")["pid"]
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    dev = node.lab.dev
+    assert (f"pid {mon} (not a CUDA process, e.g. NVML) holds {dev}/nvidia0, {dev}/nvidiactl"
+            in r.stderr and "nothing was locked" in r.stderr)
+    assert os.listdir(image) == [] and events(node, "checkpoint") == []
+    c = node.lab.status("c")["counter"]
+    node.lab.wait_counter("c", c + 3)  # never locked
+
+    both = node.spawn_tree(("b", {"mib": 1, "nvml": True}))
+    st = node.lab.wait_counter("b")
+    assert st["nvml_fds"] == 2
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(both.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"pid {st['pid']} (CUDA process) holds {dev}/nvidia0, {dev}/nvidiactl" in r.stderr
+    assert "every process was restored and runs" in r.stderr
+    assert os.listdir(image) == []  # no manifest, no guardian
+    b = node.lab.status("b")["counter"]
+    st = node.lab.wait_counter("b", b + 11)
+    assert st["intact"] and not st["errors"]
+    assert cuda != st["pid"]
 
 
 PARENT = """
@@ -185,6 +216,8 @@ def test_pre_dump_runs_once_per_criu_run(node: Node, tmp_path: Path) -> None:
     assert sorted(p["pid"] for p in data["processes"]) == pids
     assert data["driver_version"].startswith("580.")
     assert data["gpus"] == node.lab.uuids  # no OCI record: every GPU of the node
+    assert data["gpu_models"][node.lab.uuids[0]] == {
+        "name": "NVIDIA H100 80GB HBM3 (simulated)", "memory_mib": 81559}
     runs = list((Path(node.settings().state_dir) / "runs").glob("*.json"))
     assert len(runs) == 1 and json.loads(runs[0].read_text())["done"] == {"pre-dump": 0}
 
@@ -222,6 +255,21 @@ def test_post_restore_refuses_another_driver_branch(node: Node, tmp_path: Path) 
     parent = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                     CRTOOLS_IMAGE_DIR=str(image))
     assert parent.returncode == 0, parent.stderr
+    # A manifest without a driver version, or a node whose driver cannot be
+    # told, is refused rather than waved through.
+    manifest.write(image, {"container_id": "c", "driver_version": "",
+                           "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}]})
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 5 and "does not record the driver version" in r.stderr, r.stderr
+    manifest.write(image, {"container_id": "c", "driver_version": "580.1.2",
+                           "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}]})
+    node.lab.driver_version_file.unlink()
+    node.lab.stop()  # nvidia-smi cannot answer either
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 5 and "driver version unknown" in r.stderr, r.stderr
+    assert init.poll() is None
 
 
 def test_post_restore_without_manifest_or_with_a_bad_one(node: Node, tmp_path: Path) -> None:
@@ -235,3 +283,59 @@ def test_post_restore_without_manifest_or_with_a_bad_one(node: Node, tmp_path: P
                CRTOOLS_IMAGE_DIR=str(image))
     assert r.returncode != 0
     assert "malformed process list" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_criu_cuda_plugin_refuses_dump_and_restore(node: Node, tmp_path: Path) -> None:
+    """CRIU's own CUDA plugin would lock, checkpoint and restore the same
+    processes: with it installed, cudahook refuses before touching any."""
+    script = install(tmp_path, node)
+    image = tmp_path / "img"
+    image.mkdir()
+    init = node.spawn_tree(("c", {"mib": 1}))
+    node.lab.wait_counter("c")
+    root = tmp_path / "root"
+    plugin = root / "usr/lib/criu/cuda_plugin.so"
+    plugin.parent.mkdir(parents=True)
+    plugin.write_bytes(b"\x7fELF")
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image), CUDAHOOK_ROOT=str(root))
+    assert r.returncode == 5 and r.stderr.count("\n") == 1, r.stderr
+    assert f"CRIU's own CUDA plugin is installed ({plugin})" in r.stderr
+    assert "nothing was locked" in r.stderr and os.listdir(image) == []
+    node.lab.wait_counter("c", node.lab.status("c")["counter"] + 3)
+
+    libs = tmp_path / "libs"  # CRIU run with CRIU_LIBS_DIR: the same
+    libs.mkdir()
+    (libs / "cuda_plugin.so").write_bytes(b"\x7fELF")
+    manifest.write(image, {"container_id": "c", "driver_version": "580.65.06",
+                           "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}]})
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image), CRIU_LIBS_DIR=str(libs))
+    assert r.returncode == 5 and "would restore the same processes" in r.stderr, r.stderr
+    # Without the plugin both go ahead.
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image), CUDAHOOK_ROOT=str(tmp_path / "empty"))
+    assert r.returncode == 0, r.stderr
+
+
+def test_post_restore_of_a_mig_instance_in_place(make_node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A container on a MIG instance comes back on it: nvidia-smi's GPU query
+    does not list MIG instances, `-L` does."""
+    mig = "MIG-5a2f2d1e-8c3b-5e0a-9d7c-1b2c3d4e5f60"
+    node = make_node(gpus=2, gpu_specs=[{"uuid": mig}])
+    script = install(tmp_path, node)
+    image = tmp_path / "img"
+    image.mkdir()
+    init = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    node.procs.append(init)  # type: ignore[arg-type]
+    manifest.write(image, {"container_id": "c", "driver_version": "580.65.06",
+                           "gpus": [mig], "processes": [{"nspid": 7, "pid": 7}]})
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 0, r.stderr
+    gone = "MIG-00000000-0000-0000-0000-000000000000"
+    manifest.write(image, {"container_id": "c", "driver_version": "580.65.06",
+                           "gpus": [gone], "processes": [{"nspid": 7, "pid": 7}]})
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 5 and f"not present on this node: {gone}" in r.stderr, r.stderr

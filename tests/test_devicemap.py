@@ -66,3 +66,29 @@ def test_map_properties(src: list[int], dst: list[int]) -> None:
     for s in source:
         if s in target:
             assert m[s] == s  # a GPU still present never moves
+
+
+MIG = "MIG-" + str(uuid.UUID(int=77))
+OLD_MIG = f"MIG-{g(5)}/1/0"
+
+
+def test_mig_instances_come_back_where_they_were_and_never_move() -> None:
+    assert compute_device_map([MIG, OLD_MIG], [OLD_MIG, MIG]) is None
+    with pytest.raises(DeviceMapError, match="cannot move MIG instances"):
+        compute_device_map([MIG], ["MIG-" + str(uuid.UUID(int=78))])
+    with pytest.raises(DeviceMapError, match="cannot move MIG instances"):
+        parse_device_map(f"{g(1)}={MIG}")
+    assert parse_device_map(f"{MIG}={MIG},{g(1)}={g(2)}") == {MIG: MIG, g(1): g(2)}
+
+
+def test_targets_must_be_the_same_chip_with_enough_memory() -> None:
+    from cudahook.core.devicemap import check_targets
+
+    h100 = ("NVIDIA H100 80GB HBM3", 81559)
+    models = {g(1): h100, g(2): h100}
+    check_targets({g(1): g(3), g(2): g(2)}, models, {g(3): h100, g(2): h100})
+    with pytest.raises(DeviceMapError, match="same GPU model"):
+        check_targets({g(1): g(3)}, models, {g(3): ("NVIDIA A100-SXM4-80GB", 81920)})
+    with pytest.raises(DeviceMapError, match="less memory"):
+        check_targets({g(1): g(3)}, models, {g(3): ("NVIDIA H100 80GB HBM3", 40000)})
+    check_targets({g(1): g(3)}, {}, {g(3): h100})  # nothing recorded: the driver decides

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import time
 
 import pytest
@@ -172,7 +171,10 @@ def test_restore_onto_other_gpus_with_a_device_map(make_node) -> None:  # type: 
     engine.checkpoint(procs)
     frozen = counters(node)
     u = node.lab.uuids
-    mapping = {u[0]: u[2], u[1]: u[3]}
+    # Host processes see all four GPUs: the driver wants every one of them named.
+    with pytest.raises(PhaseError, match='"invalid argument"'):
+        engine.restore(procs, {u[0]: u[2], u[1]: u[3]})
+    mapping = {u[0]: u[2], u[1]: u[3], u[2]: u[0], u[3]: u[1]}
     res = engine.restore(procs, mapping)
     assert res.ok and res.device_map == mapping
     assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)
@@ -237,25 +239,154 @@ def test_fresh_states_from_discovery_save_a_round_of_calls(make_node) -> None:  
     engine.restore(procs)
 
 
-def test_feature_probe_runs_once_per_binary(node) -> None:  # type: ignore[no-untyped-def]
+def test_features_follow_the_driver_not_the_binary(node, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from cudahook.core.backends.cli import CudaCheckpointCLI
-
+    from cudahook.platform.errors import EnvironmentProblem
     from cudahook.platform.host import Host
 
     class Counting(Host):
-        helps = 0
+        runs: list[list[str]] = []
 
         def run(self, argv, timeout):  # type: ignore[no-untyped-def]
-            if "--help" in argv:
-                Counting.helps += 1
+            Counting.runs.append(list(argv))
             return super().run(argv, timeout)
 
     settings = node.settings()
     first = CudaCheckpointCLI(Counting(), settings)
-    assert first.features.device_map and Counting.helps == 1
-    second = CudaCheckpointCLI(Counting(), settings)  # the next hook invocation
-    assert second.features == first.features and Counting.helps == 1
-    node.lab.cuda_checkpoint.touch()  # an upgraded binary is probed again
-    os.utime(node.lab.cuda_checkpoint, ns=(1, 1))
-    assert CudaCheckpointCLI(Counting(), settings).features.device_map
-    assert Counting.helps == 2
+    assert first.features.device_map and first.features.version == "580.65.06"
+    assert Counting.runs == []  # one file read, no tool started
+    # A driver downgrade under the very same binary: the next hook sees it.
+    node.lab.set(driver=570)
+    second = CudaCheckpointCLI(Counting(), settings)
+    assert second.features.version == "570.86.10" and not second.features.device_map
+    assert second.features.actions
+
+    # Without the /proc file, nvidia-smi's driver_version answers.
+    missing = settings.with_overrides(driver_version_file=str(tmp_path / "absent"))
+    assert CudaCheckpointCLI(Host(), missing).features.version == "570.86.10"
+
+    # Neither: refused, and the failure is not remembered.
+    version = tmp_path / "version"
+    blind = missing.with_overrides(driver_version_file=str(version),
+                                   nvidia_smi=str(tmp_path / "no-smi"))
+    backend = CudaCheckpointCLI(Host(), blind)
+    with pytest.raises(EnvironmentProblem, match="driver version unknown"):
+        backend.features  # noqa: B018
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05  "
+                       "Tue Sep 23 09:55:41 UTC 2025\n")
+    assert backend.features.version == "580.95.05" and backend.features.device_map
+
+
+@pytest.mark.parametrize("bad", ["failed", "unknown", "checkpointing"])
+def test_a_cuda_process_in_trouble_stops_the_checkpoint_and_is_named(make_node, bad: str) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, pids = start(node)
+    victim = pids["small"]
+    node.lab.force_state(victim, bad)
+    found = find(node, engine, init.pid)
+    assert victim in found.pids and victim not in found.skipped  # never "not CUDA"
+    assert {p.state for p in found.processes if p.pid == victim} == {bad}
+    with pytest.raises(PhaseError) as err:
+        engine.checkpoint(found.processes, fresh_states=True)
+    assert list(err.value.result.errors) == [victim]
+    assert f"pid {victim}: CUDA process is" in str(err.value) and bad in str(err.value)
+    assert not err.value.result.changed
+    others = [p for p in found.pids if p != victim]
+    assert {engine.read_state(p) for p in others} == {"running"}  # nothing was locked
+
+    # The same process met at restore stops it before anything is restored,
+    # and a restore that ends there says so.
+    node.lab.force_state(victim, "running")
+    engine.checkpoint(found.processes)
+    node.lab.force_state(victim, bad)
+    with pytest.raises(PhaseError) as err:
+        engine.restore(found.processes)
+    assert list(err.value.result.errors) == [victim] and bad in str(err.value)
+    assert {engine.read_state(p) for p in others} == {"checkpointed"}
+    node.lab.force_state(victim, "checkpointed")
+    node.lab.fault("unlock", pid=victim, times=1)
+    with pytest.raises(PhaseError):
+        engine.restore(found.processes)
+    node.lab.force_state(victim, bad)
+    with pytest.raises(PhaseError) as err:
+        engine.unlock(found.processes)
+    assert bad in str(err.value)
+
+
+def test_a_probe_error_other_than_not_cuda_is_not_a_skip(make_node) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.core.discovery import DiscoveryError
+
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, pids = start(node)
+    node.lab.fault("get-state", tag="small", code=999)
+    with pytest.raises(DiscoveryError) as err:
+        find(node, engine, init.pid)
+    assert f"pid {pids['small']}" in str(err.value) and '"unknown error"' in str(err.value)
+    node.lab.clear_faults()
+    found = find(node, engine, init.pid)
+    assert pids["small"] in found.pids and pids["nvml"] in found.skipped  # NVML-only: not CUDA
+
+
+def test_r590_job_members_one_at_a_time_beside_an_independent_process(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import shlex
+    import subprocess
+
+    node = make_node(driver=590, bandwidth_mib_s=40)
+    job = tmp_path / "job"
+    job.write_text("{}\n")
+    tool = str(node.lab.cuda_checkpoint)
+    members = " ".join(f"{tool} --launch-job {job} {shlex.join(node.lab.workload_argv(t, mib=8))} &"
+                       for t in ("j0", "j1"))
+    solo = shlex.join(node.lab.workload_argv("free", mib=8))
+    init = subprocess.Popen(["bash", "-c", f"{members} {solo} & wait"], env=node.lab.workload_env(),
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    node.procs.append(init)
+    pids = {t: node.lab.wait_counter(t, 2)["pid"] for t in ("j0", "j1", "free")}
+
+    # The driver cannot drive two members of one job at once.
+    for t in ("j0", "j1"):
+        assert subprocess.run([tool, "--action", "lock", "--pid", str(pids[t])]).returncode == 0
+    calls = [subprocess.Popen([tool, "--action", "checkpoint", "--pid", str(pids[t])],
+                              stderr=subprocess.PIPE, text=True) for t in ("j0", "j1")]
+    outs = [(c.wait(timeout=30), c.stderr.read()) for c in calls]  # type: ignore[union-attr]
+    assert sorted(rc for rc, _ in outs) == [0, 1]
+    assert any('"the operation cannot be performed in the present state"' in e for _, e in outs)
+    engine = node.engine()
+    engine.restore([pids["j0"], pids["j1"]])
+
+    frozen = {t: node.lab.status(t)["counter"] for t in pids}
+    procs = find(node, engine, init.pid).processes
+    assert sorted(p.pid for p in procs) == sorted(pids.values())
+    res = engine.checkpoint(procs)
+    assert res.ok, res.errors
+    spans = {pid: [(s.start, s.end) for s in res.timeline.steps if s.pid == pid and
+                   s.step in ("lock", "checkpoint")] for pid in pids.values()}
+    steps = sorted(spans[pids["j0"]] + spans[pids["j1"]])
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(steps))  # one member at a time
+    free = spans[pids["free"]]
+    assert any(s < e2 and s2 < e for s, e in free for s2, e2 in steps)  # beside them
+    engine.restore(procs)
+    for t in pids:
+        st = node.lab.wait_counter(t, frozen[t] + 11)
+        assert st["intact"] and not st["errors"]
+
+
+def test_a_checkpoint_in_progress_elsewhere_is_named_not_touched(make_node) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+
+    node = make_node(driver=580, bandwidth_mib_s=10)
+    node.lab.set(transient_states=True)
+    p = node.spawn("w", mib=16)
+    node.lab.wait_counter("w")
+    engine = node.engine()
+    tool = str(node.lab.cuda_checkpoint)
+    assert subprocess.run([tool, "--action", "lock", "--pid", str(p.pid)]).returncode == 0
+    other = subprocess.Popen([tool, "--action", "checkpoint", "--pid", str(p.pid)])
+    time.sleep(0.3)
+    with pytest.raises(PhaseError, match=f"pid {p.pid}: CUDA process is still checkpointing"):
+        engine.checkpoint([p.pid])
+    assert other.wait(timeout=30) == 0
+    engine.restore([p.pid])
+    assert node.lab.wait_counter("w", node.lab.status("w")["counter"] + 11)["intact"]

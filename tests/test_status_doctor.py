@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from cudahook.admin.configure import configure
@@ -89,3 +90,30 @@ def test_status_shows_containers_processes_and_timelines(node) -> None:  # type:
     job = next(c for c in data["containers"] if c["id"] == "job-1")
     assert {p["state"] for p in job["processes"]} == {"checkpointed"}
     engine.restore(pids)
+
+
+def test_doctor_flags_persistence_off_na_fields_and_no_gpu(make_node) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.core.gpus import NoGpuVisible, query_gpus
+    from cudahook.platform.errors import EnvironmentProblem
+    from cudahook.platform.host import Host
+
+    node = make_node(gpu_specs=[{"persistence_mode": "Disabled"},
+                                {"fields": {"memory.total": "[N/A]", "persistence_mode": "[N/A]"}}])
+    gpus = query_gpus(Host(), node.settings())
+    assert [(g.persistence, g.memory_mib) for g in gpus] == [(False, 81559), (None, None)]
+    cfg = node_config(node)
+    c = checks(cli(cfg, "--json", "doctor"))
+    assert c["persistence mode"]["status"] == "fail"
+    assert c["persistence mode"]["detail"] == "Disabled on GPU 0"
+    assert "restore needs it on" in c["persistence mode"]["hint"]
+    r = cli(cfg, "gpus")
+    assert r.returncode == 0 and "[N/A] MiB" in r.stdout
+
+    node.lab.set(gpus=[])
+    with pytest.raises(NoGpuVisible, match="no GPU visible"):
+        query_gpus(Host(), node.settings())
+    assert issubclass(NoGpuVisible, EnvironmentProblem)
+    c = checks(cli(cfg, "--json", "doctor"))
+    assert c["driver"]["status"] == "warn" and "no GPU visible" in c["driver"]["detail"]
+    r = cli(cfg, "gpus")
+    assert r.returncode == 5 and r.stderr == "cudahook: nvidia-smi: no GPU visible (No devices were found)\n"

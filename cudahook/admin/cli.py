@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
 
         gpus = query_gpus(host, settings)
         _emit(args, [g.__dict__ for g in gpus],
-              "\n".join(f"{g.index}  {g.uuid}  {g.name}  {g.memory_mib} MiB  driver "
+              "\n".join(f"{g.index}  {g.uuid}  {g.name}  "
+                        f"{'[N/A]' if g.memory_mib is None else g.memory_mib} MiB  driver "
                         f"{g.driver_version}" for g in gpus))
         return Exit.OK
 

@@ -95,24 +95,43 @@ def run_checks(ctx: Context, root: str = "/") -> list[Check]:
         except Exception as exc:
             checks.append(Check("cuda-checkpoint", "fail", str(exc)))
 
-    try:
-        from cudahook.core.gpus import query_gpus
-
-        gpus = query_gpus(host, ctx.settings)
-        drivers = sorted({g.driver_version for g in gpus})
-        checks.append(Check("driver", "ok" if gpus else "warn",
-                            f"{len(gpus)} GPU(s), driver {', '.join(drivers) or '?'}"))
-        off = [str(g.index) for g in gpus if not g.persistence]
-        checks.append(Check("persistence mode", "warn" if off else "ok",
-                            f"off on GPU {', '.join(off)}" if off else "enabled on every GPU",
-                            "nvidia-smi -pm 1 (or nvidia-persistenced) keeps the driver "
-                            "initialised between checkpoints" if off else ""))
-    except Exception as exc:
-        checks.append(Check("driver", "warn", str(exc), "is the NVIDIA driver installed?"))
+    checks += _gpu_checks(ctx)
 
     checks += _registrations(j)
     checks.append(_state_dir(ctx))
     return checks
+
+
+def _gpu_checks(ctx: Context) -> list[Check]:
+    """What nvidia-smi says: GPUs, driver, persistence mode.
+
+    Restore needs persistence mode on: with it off the driver tears a GPU
+    down once its last client (a checkpointed process is none) has gone.
+    """
+    from cudahook.core.gpus import NoGpuVisible, query_gpus
+    from cudahook.platform.errors import EnvironmentProblem
+
+    try:
+        gpus = query_gpus(ctx.host, ctx.settings)
+    except NoGpuVisible:
+        return [Check("driver", "warn", "no GPU visible (nvidia-smi: No devices were found)",
+                      "check the GPUs with nvidia-smi; nothing can be checkpointed without one")]
+    except EnvironmentProblem as exc:
+        return [Check("driver", "warn", str(exc), "is the NVIDIA driver installed?")]
+    drivers = sorted({g.driver_version or "?" for g in gpus})
+    out = [Check("driver", "ok" if gpus else "warn",
+                 f"{len(gpus)} GPU(s), driver {', '.join(drivers) or '?'}")]
+    off = [str(g.index) for g in gpus if g.persistence is False]
+    unknown = [str(g.index) for g in gpus if g.persistence is None]
+    if off:
+        out.append(Check("persistence mode", "fail", f"Disabled on GPU {', '.join(off)}",
+                         "restore needs it on: nvidia-smi -pm 1, or run nvidia-persistenced"))
+    elif unknown:
+        out.append(Check("persistence mode", "warn", f"[N/A] on GPU {', '.join(unknown)}",
+                         "make sure the driver stays initialised (nvidia-persistenced)"))
+    else:
+        out.append(Check("persistence mode", "ok", "enabled on every GPU"))
+    return out
 
 
 def _registrations(j: Journal) -> list[Check]:

@@ -46,7 +46,8 @@ def render(name: str, python: str, config: str | None = None,
             if config:
                 out.append(f"CUDAHOOK_CONFIG={shlex.quote(config)}; export CUDAHOOK_CONFIG")
             if root:
-                out.append(f"CUDAHOOK_ROOT={shlex.quote(root)}; export CUDAHOOK_ROOT")
+                # A default: a root set in the hook's own environment wins.
+                out.append(f": \"${{CUDAHOOK_ROOT={shlex.quote(root)}}}\"; export CUDAHOOK_ROOT")
             continue
         out.append(line)
     return "\n".join(out) + "\n"

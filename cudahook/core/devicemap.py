@@ -3,8 +3,10 @@
 The rule (as in ai-dynamo/snapshot's BuildDeviceMap): a source GPU that is
 still present maps to itself, so a partial change moves as little as possible;
 the remaining source GPUs pair with the remaining target GPUs in order. The
-driver wants every checkpointed GPU listed once a map is given at all, so a map
-that is not the identity includes the identity pairs too.
+driver wants every GPU that CUDA sees in the process listed once a map is
+given at all ("invalid argument" otherwise), so a map that is not the identity
+includes the identity pairs too; each target must be the same chip with at
+least as much memory. MIG instances only come back where they were.
 """
 
 from __future__ import annotations
@@ -13,13 +15,45 @@ import re
 
 from cudahook.platform.errors import DeviceMapError
 
-_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
+_HEX = r"[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}"
+_UUID = re.compile(rf"^GPU-{_HEX}$")
+# MIG instances: MIG-<uuid> (R470+) or the older MIG-GPU-<uuid>/<gi>/<ci>.
+_MIG = re.compile(rf"^MIG-({_HEX}|GPU-{_HEX}/[0-9]+/[0-9]+)$")
 
 
 def check_uuid(uuid: str) -> str:
-    if not _UUID.match(uuid):
+    if not (_UUID.match(uuid) or _MIG.match(uuid)):
         raise DeviceMapError(f"not a GPU UUID: {uuid!r} (expected GPU-xxxxxxxx-xxxx-...)")
     return uuid
+
+
+def _no_mig_moves(mapping: dict[str, str]) -> None:
+    """cuda-checkpoint's --device-map takes GPU-... UUIDs; a MIG instance can
+    come back where it was (no map at all) but cannot be moved."""
+    moved = [f"{a}={b}" for a, b in mapping.items()
+             if a != b and (a.startswith("MIG-") or b.startswith("MIG-"))]
+    if moved:
+        raise DeviceMapError(
+            f"cannot move MIG instances ({', '.join(moved)}): the driver's device map takes "
+            "whole GPUs only; restore onto the same MIG instances")
+
+
+def check_targets(mapping: dict[str, str], models: dict[str, tuple[str, int | None]],
+                  now: dict[str, tuple[str, int | None]]) -> None:
+    """Every moved GPU lands on the same chip with at least as much memory,
+    as the driver requires. `models`: (name, MiB) at checkpoint time, by
+    UUID; `now`: the same for this node. A GPU recorded without its model
+    (an older checkpoint) is left to the driver."""
+    for old, new in mapping.items():
+        if old == new or old not in models or new not in now:
+            continue
+        (name, mib), (to_name, to_mib) = models[old], now[new]
+        if name != to_name:
+            raise DeviceMapError(f"cannot restore the state of {old} ({name}) onto {new} "
+                                 f"({to_name}): the driver needs the same GPU model")
+        if mib is not None and to_mib is not None and to_mib < mib:
+            raise DeviceMapError(f"cannot restore the state of {old} ({mib} MiB) onto {new} "
+                                 f"({to_mib} MiB): the target has less memory")
 
 
 def compute_device_map(source: list[str], target: list[str]) -> dict[str, str] | None:
@@ -41,6 +75,7 @@ def compute_device_map(source: list[str], target: list[str]) -> dict[str, str] |
     mapping.update(zip(moved, free, strict=True))
     if all(k == v for k, v in mapping.items()):
         return None
+    _no_mig_moves(mapping)
     return {s: mapping[s] for s in source}
 
 
@@ -57,4 +92,5 @@ def parse_device_map(text: str) -> dict[str, str]:
         mapping[old] = new
     if len(set(mapping.values())) != len(mapping):
         raise DeviceMapError("device map sends two GPUs to the same target")
+    _no_mig_moves(mapping)
     return mapping

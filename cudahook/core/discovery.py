@@ -94,6 +94,19 @@ def _descendants(host: Host, root: int) -> list[int]:
     return sorted(found)
 
 
+def device_files(host: Host, pid: int, pattern: re.Pattern[str]) -> list[str]:
+    """The NVIDIA device files `pid` holds open; [] when it has exited."""
+    try:
+        return sorted({t for t in host.fd_targets(pid) if pattern.search(t)})
+    except ProcessGone:
+        return []
+
+
+def describe_holders(holders: dict[int, list[str]], what: str) -> str:
+    return "; ".join(f"pid {pid} ({what}) holds {', '.join(files)}"
+                     for pid, files in sorted(holders.items()))
+
+
 def has_device_fd(host: Host, pid: int, pattern: re.Pattern[str]) -> bool:
     return any(pattern.search(t) for t in host.fd_targets(pid))
 
@@ -132,11 +145,13 @@ def discover(
     feats = backend.features
     if feats.get_state and not feats.launch_job:
         # One call answers both "is it CUDA" and "what state is it in".
-        probe = _probe_with(backend.get_state)
+        probe = _probe_with(host, backend.get_state, strict=True)
     elif feats.restore_tid:
         # --get-state also answers for --launch-job coordinators (R590+); the
-        # restore thread only exists in a real CUDA process.
-        probe = _probe_with(lambda pid: (backend.get_restore_tid(pid), None)[1])
+        # restore thread only exists in a real CUDA process, and its failure
+        # message carries no CUDA error to tell causes apart.
+        probe = _probe_with(host, lambda pid: (backend.get_restore_tid(pid), None)[1],
+                            strict=False)
     else:
         if (feats.major and feats.major < 550) or not feats.toggle:
             result.warnings.append(
@@ -149,12 +164,14 @@ def discover(
     unanswered = [(pid, why) for pid, (is_cuda, _, why) in zip(result.candidates, outcomes,
                                                               strict=True) if is_cuda is None]
     if unanswered:
-        # No answer is not "not CUDA": skipping it would let CRIU dump a live
-        # GPU process. A stopped, frozen or traced target makes the tool hang.
+        # No answer, or an answer other than "not a CUDA process", is not "not
+        # CUDA": skipping it would let CRIU dump a live GPU process. A stopped,
+        # frozen or traced target makes the tool hang.
+        hint = (": is the process stopped, frozen or traced?"
+                if any(why == "timed out" for _, why in unanswered) else "")
         raise DiscoveryError(
-            "cuda-checkpoint did not answer for " + ", ".join(
-                f"pid {pid} ({why})" for pid, why in unanswered)
-            + ": is the process stopped, frozen or traced?")
+            "cannot tell whether these are CUDA processes: " + ", ".join(
+                f"pid {pid} ({why})" for pid, why in unanswered) + hint)
     for pid, (is_cuda, state, why) in zip(result.candidates, outcomes, strict=True):
         if not is_cuda:
             result.skipped[pid] = why
@@ -168,14 +185,26 @@ def discover(
     return result
 
 
-def _probe_with(call):  # type: ignore[no-untyped-def]
+# What the driver says about a process without CUDA (or with NVML only).
+NOT_CUDA = '"initialization error"'
+
+
+def _probe_with(host: Host, call, *, strict: bool):  # type: ignore[no-untyped-def]
+    """`strict`: only the driver's "initialization error" means not CUDA;
+    any other failure leaves the process unclassified."""
+
     def probe(pid: int) -> tuple[bool | None, str | None, str]:
         try:
             return True, call(pid), ""
         except ToolError as exc:
+            why = exc.stderr or f"exit {exc.returncode}"
             if exc.timed_out:
                 return None, None, "timed out"
-            return False, None, exc.stderr or f"exit {exc.returncode}"
+            if not host.exists(pid):
+                return False, None, "exited during discovery"
+            if exc.cuda or (strict and NOT_CUDA not in exc.stderr):
+                return None, None, why
+            return False, None, why
 
     return probe
 

@@ -14,6 +14,10 @@ so the caller can fail closed (kill it) and retry from the intact image.
 Every phase reads the states first and only moves processes that are not
 already where the phase wants them: CRIU 3.19-4.1.1 run each action script
 twice, and a toggle that runs twice undoes itself.
+
+On R590+ the processes of one `--launch-job` job (they share CUDA IPC) are
+driven one at a time - two members at once fail or hang in the driver -
+while different jobs and processes outside any job stay parallel.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from cudahook.platform.config import Settings
 from cudahook.platform.errors import EnvironmentProblem, PhaseError, ToolError
 from cudahook.platform.host import Host, ProcessGone
 
-from .backends import CHECKPOINTED, LOCKED, RUNNING
+from .backends import CHECKPOINTED, LOCKED, RUNNING, STABLE, explain_state
 from .discovery import CudaProcess, has_device_fd
 from .fanout import fan_out
 from .timeline import Timeline
@@ -70,6 +74,10 @@ class PhaseResult:
         }
 
 
+# How a process started with `cuda-checkpoint --launch-job FILE` knows its job.
+JOB_FILE_ENV = "CUDA_CHECKPOINT_JOB_FILE"
+
+
 def _pid(p: CudaProcess | int) -> int:
     return p.pid if isinstance(p, CudaProcess) else int(p)
 
@@ -79,6 +87,7 @@ class Engine:
         self.backend = backend
         self.settings = settings
         self.host = host or Host()
+        self._jobs: dict[int, str | None] = {}  # pid -> job identity, read once
 
     # -- helpers -----------------------------------------------------------
 
@@ -96,8 +105,37 @@ class Engine:
             except (ToolError, ProcessGone, EnvironmentProblem) as exc:
                 failures[pid] = exc
 
-        fan_out(one, pids, self.settings.max_parallel if parallel else 1)
+        def group(members: list[int]) -> None:
+            for pid in members:
+                one(pid)
+
+        # Members of one --launch-job job (R590+) one at a time, jobs and
+        # processes outside any job side by side.
+        groups = self._job_groups(pids) if parallel and len(pids) > 1 else [[p] for p in pids]
+        fan_out(group, groups, self.settings.max_parallel if parallel else 1)
         return failures
+
+    def _job_groups(self, pids: list[int]) -> list[list[int]]:
+        try:
+            jobs = self.backend.features.launch_job
+        except EnvironmentProblem:
+            jobs = False
+        if not jobs:
+            return [[p] for p in pids]
+        groups: dict[str, list[int]] = {}
+        for pid in pids:
+            groups.setdefault(self._job_of(pid) or f"pid:{pid}", []).append(pid)
+        return list(groups.values())
+
+    def _job_of(self, pid: int) -> str | None:
+        """The job a process belongs to: its CUDA_CHECKPOINT_JOB_FILE, by identity."""
+        if pid not in self._jobs:
+            try:
+                path = self.host.environ(pid, JOB_FILE_ENV)
+                self._jobs[pid] = self.host.job_file_id(pid, path) if path else None
+            except (ProcessGone, PermissionError):
+                self._jobs[pid] = None
+        return self._jobs[pid]
 
     def read_state(self, pid: int) -> str:
         if self.backend.features.get_state:
@@ -146,6 +184,7 @@ class Engine:
                  if fresh_states else {})
         res.initial, errors = self.read_states([p for p in pids if p not in known], tl)
         res.initial.update(known)
+        errors.update(_troubled(res.initial, "nothing was locked"))
         if errors:
             res.errors = errors
             raise PhaseError("checkpoint", _lines(errors), safe=True, result=res)
@@ -217,7 +256,8 @@ class Engine:
             with tl.step(pid, "verify"):
                 final[pid] = self.read_state(pid)
             if final[pid] != RUNNING:
-                raise ToolError(pid, "verify", 0, f"still {final[pid]} after rollback")
+                raise ToolError(pid, "verify", 0,
+                                f"still {explain_state(final[pid])} after rollback")
 
         failures = self._each(pids, back, parallel=True)
         for pid, exc in failures.items():
@@ -244,12 +284,16 @@ class Engine:
         if not pids:
             return res
         feats = self.backend.features
-        if device_map and not feats.device_map:
+        if device_map and (not feats.device_map or self._toggle_only()):
+            # The real tool accepts --toggle --device-map and ignores the map:
+            # a remap only ever goes with --action restore.
             raise EnvironmentProblem(
                 f"the restore needs a GPU remap but cuda-checkpoint {feats.version or ''} "
                 "has no --device-map (driver R580 or newer)"
             )
         res.initial, errors = self.read_states(pids, tl)
+        # Restoring the others would release a workload that lacks one process.
+        errors.update(_troubled(res.initial, "nothing was restored"))
         if errors:
             res.errors = errors
             raise PhaseError("restore", _lines(errors), safe=False, result=res)
@@ -284,6 +328,7 @@ class Engine:
         pids = sorted({_pid(p) for p in procs})
         res = PhaseResult("unlock", pids, Timeline())
         res.initial, errors = self.read_states(pids, res.timeline)
+        errors.update(_troubled(res.initial, "nothing was unlocked"))
         if errors:
             res.errors = errors
             raise PhaseError("unlock", _lines(errors), safe=False, result=res)
@@ -302,7 +347,7 @@ class Engine:
         res.final, errors = self.read_states(res.pids, res.timeline, step="verify")
         for pid, state in res.final.items():
             if state != RUNNING:
-                errors[pid] = f"pid {pid}: ended {state}, not running"
+                errors[pid] = f"pid {pid}: ended {explain_state(state)}, not running"
         if errors:
             res.errors.update(errors)
             raise PhaseError(res.phase, _lines(res.errors), safe=False, result=res)
@@ -323,6 +368,12 @@ def _describe(pid: int, exc: BaseException, host: Host) -> str:
         return f"pid {pid}: process exited"
     text = str(exc)
     return text if text.startswith(f"pid {pid}") else f"pid {pid}: {text}"
+
+
+def _troubled(states: dict[int, str], outcome: str) -> dict[int, str]:
+    """CUDA processes in a state no phase may act on, each named with it."""
+    return {pid: f"pid {pid}: CUDA process is {explain_state(state)}; {outcome}"
+            for pid, state in states.items() if state not in STABLE}
 
 
 def _lines(errors: dict[int, str]) -> list[str]:

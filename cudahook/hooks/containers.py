@@ -36,12 +36,18 @@ def container_for(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, C
 
 def gpu_uuids(ctx: Context, visible: list[str] | None) -> list[str]:
     """The UUIDs of the GPUs a container sees (all, by default)."""
+    return gpus_and_models(ctx, visible)[0]
+
+
+def gpus_and_models(ctx: Context, visible: list[str] | None
+                    ) -> tuple[list[str], dict[str, tuple[str, int | None]]]:
+    """The UUIDs of the GPUs `visible` names, and every node GPU's (model, MiB)."""
     from cudahook.core.gpus import query_gpus
 
     from .oci import resolve_uuids
 
     gpus = query_gpus(ctx.host, ctx.settings)
-    return resolve_uuids(visible or ["all"], gpus)
+    return resolve_uuids(visible or ["all"], gpus), {g.uuid: (g.name, g.memory_mib) for g in gpus}
 
 
 def restored_pids(ctx: Context, init_pid: int, data: dict[str, Any]) -> list[int]:

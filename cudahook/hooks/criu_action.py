@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 
 from cudahook.core import manifest
-from cudahook.core.discovery import discover
+from cudahook.core.discovery import describe_holders, device_files, discover
 from cudahook.platform.errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
 from cudahook.platform.store import mark
 from cudahook.vmm import coordinator as vmm
 
-from . import guardian
-from .containers import container_for, gpu_uuids, kill_container, restored_pids
+from . import criu_env, guardian
+from .containers import container_for, gpus_and_models, kill_container, restored_pids
 from .context import Context
 from .criu_env import CriuCall
 from .criu_run import CriuRun
@@ -133,18 +133,38 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int) 
                      max_parallel=ctx.settings.max_parallel)
     for w in found.warnings:
         ctx.log("pre-dump", container=cid, warning=w)
+    # Hazard: a process that is not CUDA but holds NVIDIA device files (an
+    # NVML monitor) makes CRIU's dump fail on a real node, and a CUDA
+    # checkpoint cannot release them. Refuse before anything is locked.
+    others = {pid: files for pid in found.skipped
+              if (files := device_files(ctx.host, pid, ctx.settings.device_regex))}
+    if others:
+        return _refuse(ctx, cid, init_pid, len(found.processes), Exit.FAILED,
+                       "CRIU cannot dump open NVIDIA device files: "
+                       + describe_holders(others, "not a CUDA process, e.g. NVML")
+                       + "; nothing was locked")
     if not found.processes:
         ctx.log("pre-dump", container=cid, init_pid=init_pid, cuda_processes=0)
         return Exit.OK
     if call.image_dir is None:
         raise UsageError("pre-dump: CRTOOLS_IMAGE_DIR is not set")
+    # Hazard: CRIU's own CUDA plugin locks at seize and checkpoints at dump on
+    # its own: after our checkpoint its lock fails ("illegal state") and the
+    # dump with it; its restore has no device map, no rollback, no VMM step.
+    # Two owners of one process's CUDA state is never safe: refuse first.
+    plugins = criu_env.cuda_plugins()
+    if plugins:
+        return _refuse(ctx, cid, init_pid, len(found.processes), Exit.ENVIRONMENT,
+                       f"CRIU's own CUDA plugin is installed ({', '.join(plugins)}) and would "
+                       "checkpoint the same processes: remove it, or stop using cudahook on "
+                       "this node; nothing was locked")
 
     # 3. What the manifest and a later restore need, and the VMM interposer's
     #    prepare step, which must run before the CUDA lock. A partial set of
     #    interposer sockets is refused here. Nothing is locked yet: a refusal
     #    aborts the dump and the workload never noticed.
     try:
-        gpus = gpu_uuids(ctx, (record or {}).get("visible"))
+        gpus, models = gpus_and_models(ctx, (record or {}).get("visible"))
         version = ctx.backend.features.version
         with_vmm = _interposer_prepare(ctx, cid, found.processes, call)
     except CudahookError as exc:
@@ -164,6 +184,25 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int) 
                 timeline=exc.result.timeline.to_dict() if exc.result else None)
         _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
         return int(exc.exit_code)
+    # Hazard: NVML handles (and a fork()ed child's CUDA references) survive
+    # the CUDA checkpoint, and CRIU fails on them. Only now can they be told
+    # from CUDA's own device files. Undo: put every process back on its GPU.
+    leftover = {p.pid: files for p in found.processes
+                if (files := device_files(ctx.host, p.pid, ctx.settings.device_regex))}
+    if leftover:
+        message = ("CRIU cannot dump open NVIDIA device files left after the CUDA checkpoint "
+                   "(NVML handles are not released by it): "
+                   + describe_holders(leftover, "CUDA process"))
+        code = Exit.FAILED
+        try:
+            ctx.engine.restore(found.processes)
+            message += "; every process was restored and runs"
+        except PhaseError as exc:
+            message += f"; rolling back failed: {exc}"
+            code = Exit.UNSAFE
+        ctx.log("checkpoint", container=cid, error=message, pids=found.pids)
+        _remember(ctx, cid, "checkpoint", ok=False, error=message)
+        return code
 
     # 5. Record the checkpoint in the image, and leave the guardian behind.
     #    Hazard: the dump can still fail after us (even while freezing, where
@@ -178,6 +217,9 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int) 
         "created": time.time(),
         "driver_version": version,
         "gpus": gpus,
+        # Model and size of each: a restore elsewhere needs the same chip.
+        "gpu_models": {u: {"name": models[u][0], "memory_mib": models[u][1]}
+                       for u in gpus if u in models},
         "vmm": with_vmm,
         "processes": [{"nspid": p.nspid, "pid": p.pid, "state": p.state}
                       for p in found.processes],
@@ -228,6 +270,14 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     data = manifest.read(call.image_dir)
     if data is None:
         return Exit.OK
+    # Hazard: CRIU's own CUDA plugin would restore and unlock these processes
+    # itself, without a device map, before post-resume: refuse while nothing
+    # runs yet.
+    plugins = criu_env.cuda_plugins()
+    if plugins:
+        raise EnvironmentProblem(
+            f"CRIU's own CUDA plugin is installed ({', '.join(plugins)}) and would restore "
+            "the same processes: remove it to restore this checkpoint")
     # 2. The restore gate: same driver branch, the GPUs present, a device map
     #    this driver can apply. A refusal here is clean.
     record, ctx, opts = container_for(ctx, _need_init(call))
@@ -314,6 +364,15 @@ def post_resume(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
 
 
 # -- small helpers --------------------------------------------------------------
+
+
+def _refuse(ctx: Context, cid: str | None, init_pid: int, cuda_processes: int, code: int,
+            message: str) -> int:
+    """A refusal before anything was touched: logged, remembered, returned."""
+    ctx.log("pre-dump", container=cid, init_pid=init_pid, error=message,
+            cuda_processes=cuda_processes)
+    _remember(ctx, cid, "checkpoint", ok=False, error=message)
+    return code
 
 
 def _need_init(call: CriuCall) -> int:

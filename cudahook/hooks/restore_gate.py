@@ -9,7 +9,7 @@ from __future__ import annotations
 from cudahook.platform.errors import EnvironmentProblem
 
 from . import annotations as ann
-from .containers import gpu_uuids
+from .containers import gpu_uuids, gpus_and_models
 from .context import Context
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -21,18 +21,27 @@ if TYPE_CHECKING:
 def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
                  data: dict[str, Any]) -> dict[str, str] | None:
     """The device map this restore needs (None: the same GPUs), or a refusal."""
-    from cudahook.core.devicemap import compute_device_map, parse_device_map
+    from cudahook.core.devicemap import check_targets, compute_device_map, parse_device_map
 
-    feats = ctx.backend.features
+    feats = ctx.backend.features  # refuses when this node's driver version is unknown
     have, had = feats.major, str(data.get("driver_version", "")).split(".")[0]
-    if had.isdigit() and have and int(had) != have:
+    if not had.isdigit():
+        # Without it the branch check would pass by default: refuse instead.
+        raise EnvironmentProblem(
+            "the checkpoint does not record the driver version it was taken with: "
+            "cannot check that this node runs the same driver branch")
+    if int(had) != have:
         raise EnvironmentProblem(
             f"checkpoint was taken with driver {data['driver_version']}, this node runs "
             f"{feats.version}: restore needs the same driver branch")
     if not feats.actions and not feats.toggle:
         raise EnvironmentProblem("cuda-checkpoint on this node supports neither actions nor toggle")
     source = list(data.get("gpus") or [])
-    node = gpu_uuids(ctx, ["all"])
+    node, now = gpus_and_models(ctx, ["all"])
+    if any(u.startswith("MIG-") for u in source):
+        from cudahook.core.gpus import mig_uuids
+
+        node = [*node, *mig_uuids(ctx.host, ctx.settings)]
     if opts.device_map:
         mapping: dict[str, str] | None = parse_device_map(opts.device_map)
         missing = [u for u in (mapping or {}).values() if u not in node]
@@ -50,4 +59,11 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         raise EnvironmentProblem(
             f"the restore moves GPUs ({', '.join(f'{a}={b}' for a, b in mapping.items())}) "
             f"but cuda-checkpoint {feats.version} has no --device-map (driver R580 or newer)")
+    if mapping:
+        # The same chip with enough memory: the driver refuses anything else.
+        recorded = data.get("gpu_models") if isinstance(data.get("gpu_models"), dict) else {}
+        models = {u: (str(m.get("name")),
+                      m["memory_mib"] if type(m.get("memory_mib")) is int else None)
+                  for u, m in recorded.items() if isinstance(m, dict)}
+        check_targets(mapping, models, now)
     return mapping

@@ -33,6 +33,9 @@ def default_path() -> Path:
 class Settings:
     cuda_checkpoint: str = "/usr/bin/cuda-checkpoint"
     nvidia_smi: str = "/usr/bin/nvidia-smi"
+    # The installed driver's version (features, manifest, same-branch check);
+    # nvidia-smi's driver_version when this file is absent.
+    driver_version_file: str = "/proc/driver/nvidia/version"
     device_pattern: str = r"^/dev/nvidia([0-9]+|ctl|-uvm|-uvm-tools)$"
     lock_timeout_ms: int = 10000
     call_timeout_s: float = 300.0

@@ -57,8 +57,10 @@ class ToolError(CudahookError):
         stderr: str,
         *,
         timed_out: bool = False,
+        cuda: bool = False,
     ) -> None:
         self.pid = pid
+        self.cuda = cuda  # the tool answered as for a CUDA process, however oddly
         self.action = action
         self.returncode = returncode
         self.stderr = stderr.strip()

@@ -31,6 +31,24 @@ class ProcReader:
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise ProcessGone(pid) from exc
 
+    def environ(self, pid: int, name: str) -> str | None:
+        """One variable of the process's initial environment (None: unset)."""
+        prefix = name.encode() + b"="
+        for item in self.read(pid, "environ").encode(errors="surrogateescape").split(b"\0"):
+            if item.startswith(prefix):
+                return item[len(prefix):].decode(errors="replace")
+        return None
+
+    def job_file_id(self, pid: int, path: str) -> str:
+        """Identity of a file as the process sees it (through its root), so
+        one job file reached by different mount paths is one job."""
+        base = self._p(pid, "root") if os.path.isabs(path) else self._p(pid, "cwd")
+        try:
+            st = os.stat(base / path.lstrip("/"))
+        except OSError:
+            return f"path:{path}"
+        return f"{st.st_dev}:{st.st_ino}"
+
     def status(self, pid: int) -> dict[str, str]:
         fields: dict[str, str] = {}
         for line in self.read(pid, "status").splitlines():

@@ -124,8 +124,13 @@ def make_config(
     host_usr: bool = True,
     readonly_root: bool = True,
     hooks: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    devices: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Return a runtime-spec 1.0.2 ``config.json`` dict (shaped like ``runc spec``)."""
+    """Return a runtime-spec 1.0.2 ``config.json`` dict (shaped like ``runc spec``).
+
+    ``devices``: ``linux.devices`` entries (``path``, ``type``, ``major``,
+    ``minor``); the runtime creates each node and the device cgroup allows it.
+    """
     if not args:
         raise ValueError("args must not be empty")
     mounts = [dict(m) for m in _BASE_MOUNTS]
@@ -178,6 +183,11 @@ def make_config(
             "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
         },
     }
+    if devices:
+        config["linux"]["devices"] = [dict(d) for d in devices]
+        config["linux"]["resources"]["devices"] += [
+            {"allow": True, "type": d.get("type", "c"), "major": d["major"], "minor": d["minor"],
+             "access": "rwm"} for d in devices]
     if annotations:
         config["annotations"] = dict(annotations)
     if hooks:

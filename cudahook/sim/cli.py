@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dir", required=True)
     up = sub.add_parser("up", help="set up a simulated node and start its GPU service")
     up.add_argument("--dir", required=True)
-    up.add_argument("--driver", type=int, default=580, choices=(550, 555, 570, 580))
+    up.add_argument("--driver", type=int, default=580, choices=(550, 555, 570, 580, 590))
     up.add_argument("--gpus", type=int, default=2)
     up.add_argument("--memory-mib", type=int, default=81559)
     up.add_argument("--attach-latency", type=float, default=0.0, help="seconds per tool call")

@@ -1,15 +1,18 @@
 """One directory that holds a whole simulated GPU node.
 
     ROOT/sim.json          driver branch, GPUs, attach latency, copy bandwidth
+    ROOT/driver/version    the driver's /proc/driver/nvidia/version
     ROOT/gpu.sock          the GPU service
     ROOT/bin/cuda-checkpoint, ROOT/bin/nvidia-smi   drop-in tools
-    ROOT/dev/nvidia0..N, nvidiactl, nvidia-uvm      device nodes (plain files)
+    ROOT/dev/nvidia0..N, nvidiactl, nvidia-uvm      device nodes (plain files, for host
+                                                    workloads; runc containers get real
+                                                    character nodes, see runcbox)
     ROOT/ctl/              workloads' restore-thread sockets (host workloads)
     ROOT/status/           workloads' status reports
     ROOT/faults.json       injected faults, read by the fake cuda-checkpoint
 
-Containers bind-mount ROOT/dev/* at /dev/nvidia*, and ROOT (for gpu.sock) at
-/run/cuda-sim; host processes use the paths as they are.
+Containers bind-mount ROOT (for gpu.sock) at /run/cuda-sim and see device
+nodes at /dev/nvidia*; host processes use the paths as they are.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class SimLab:
         bandwidth_mib_s: float = 0.0,
         seed: str = "node-a",
         python: str = sys.executable,
+        gpu_specs: list[dict[str, Any]] | None = None,
     ):
         from .tool import VERSIONS
 
@@ -63,6 +67,11 @@ class SimLab:
                 for i in range(gpus)
             ],
         }
+        # Per-GPU overrides: another chip ("name"), size ("memory_mib"), a MIG
+        # instance ("uuid": "MIG-..."), "persistence_mode" or raw nvidia-smi
+        # "fields" such as "[N/A]".
+        for g, spec in zip(self.config["gpus"], gpu_specs or [], strict=False):
+            g.update(spec)
 
     # -- layout --------------------------------------------------------------
 
@@ -119,15 +128,28 @@ class SimLab:
                 "import sys\n"
                 f"sys.path.insert(0, {PKG_PARENT!r})\n"
                 f"from cudahook.sim.{module} import main\n"
-                f"sys.exit(main(sys.argv[1:], {str(self.root)!r}))\n"
+                f"sys.exit(main(sys.argv[1:], {str(self.root)!r}"
+                + (", sys.argv[0]" if module == "tool" else "") + "))\n"
             )
             path.chmod(0o755)
         return self
+
+    @property
+    def driver_version_file(self) -> Path:
+        """This node's stand-in for /proc/driver/nvidia/version."""
+        return self.root / "driver" / "version"
 
     def write_config(self) -> None:
         tmp = self.root / ".sim.json.tmp"
         tmp.write_text(json.dumps(self.config, indent=1))
         os.replace(tmp, self.root / "sim.json")
+        self.driver_version_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.driver_version_file.with_name(".version.tmp")
+        tmp.write_text(
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  "
+            f"{self.config['driver_version']}  Release Build  (sim@cudahook)  "
+            "Thu Jan  1 00:00:00 UTC 2026\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+        os.replace(tmp, self.driver_version_file)
 
     def set(self, **changes: Any) -> None:
         """Change the emulated driver's behaviour for the next tool calls."""
@@ -186,6 +208,7 @@ class SimLab:
         base = Settings(
             cuda_checkpoint=str(self.cuda_checkpoint),
             nvidia_smi=str(self.nvidia_smi),
+            driver_version_file=str(self.driver_version_file),
             vmm_coordinator=str(self.vmm_coordinator),
             vmm_timeout_s=10.0,
             device_pattern=rf"^(/dev|{dev})/nvidia([0-9]+|ctl|-uvm|-uvm-tools)$",
@@ -230,6 +253,17 @@ class SimLab:
         wait_for(lambda: self.status(tag).get("counter", 0) > above, timeout,
                  f"workload {tag} made no progress past {above}: {self.status(tag)}")
         return self.status(tag)
+
+    def force_state(self, pid: int, state: str) -> None:
+        """Put a host workload's CUDA state where the driver can leave one
+        ("failed", "unknown", ...), as no cuda-checkpoint call would."""
+        from . import wire
+
+        reply = wire.request(str(self.ctl / f"cuda-sim-{pid}.sock"),
+                             (wire.dumps({"op": "sim-force-state", "state": state}) + "\n").encode(),
+                             timeout=10)
+        if not wire.loads(reply.decode()).get("ok"):  # type: ignore[union-attr]
+            raise ValueError(f"cannot force state {state!r} on {pid}")
 
     # -- faults ----------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """GPU containers on the simulated node, run by real runc and CRIU.
 
 Used by the end-to-end tests and the demo. A container sees the simulated
-GPU as a real one would appear: device nodes bind-mounted at /dev/nvidia*,
+GPU as a real one would appear: character device nodes at /dev/nvidia* that
+CRIU cannot dump (so an fd left open on one fails the dump, as on a GPU node),
 NVIDIA_VISIBLE_DEVICES naming its GPUs, and the driver (here: the GPU
 service's socket directory) bind-mounted in. Its init is a shell that starts
 the simulated CUDA workloads and any other processes beside them.
@@ -37,12 +38,31 @@ def guest_env(visible: Sequence[str]) -> list[str]:
     ]
 
 
-def guest_binds(lab: SimLab) -> list[tuple[str, str, bool]]:
-    """(host, container, read-only) binds: the package, the GPU service, the
-    device nodes at /dev/nvidia* as a real GPU container has them."""
+def guest_binds(lab: SimLab, *, device_files: bool = True) -> list[tuple[str, str, bool]]:
+    """(host, container, read-only) binds: the package, the GPU service and,
+    with `device_files`, the node's plain-file device nodes at /dev/nvidia*."""
     binds = [(PKG_PARENT, GUEST_PKG, True), (str(lab.root), GUEST_SIM, False)]
-    binds += [(str(lab.dev / n), f"/dev/{n}", False) for n in sorted(os.listdir(lab.dev))]
+    if device_files:
+        binds += [(str(lab.dev / n), f"/dev/{n}", False) for n in sorted(os.listdir(lab.dev))]
     return binds
+
+
+# A harmless character device CRIU cannot dump, standing in for the real
+# /dev/nvidia* (char 195:N): an fd left open on one fails the dump, as on a
+# GPU node (CRIU: "Can't dump file N of that type [20600]").
+STAND_IN_NODE = "/dev/loop-control"
+
+
+def guest_devices(lab: SimLab) -> list[dict[str, Any]]:
+    """linux.devices entries that give a container real character nodes at
+    /dev/nvidia*, as the NVIDIA container toolkit injects the real ones; []
+    when the stand-in node is missing on this host."""
+    try:
+        rdev = os.stat(STAND_IN_NODE).st_rdev
+    except OSError:
+        return []
+    return [{"path": f"/dev/{n}", "type": "c", "major": os.major(rdev), "minor": os.minor(rdev),
+             "fileMode": 0o666, "uid": 0, "gid": 0} for n in sorted(os.listdir(lab.dev))]
 
 
 class RuncBox:
@@ -82,7 +102,8 @@ class RuncBox:
         cmds = [self.workload_cmd(t, **o) for t, o in workloads] + list(others)
         script = " ".join(f"{c} &" for c in cmds) + " wait"
         env = guest_env(list(visible) if visible is not None else self.lab.uuids[:1])
-        binds = guest_binds(self.lab)
+        devices = guest_devices(self.lab)
+        binds = guest_binds(self.lab, device_files=not devices)
         if snapshot_control is not None:
             binds.append((str(snapshot_control), "/snapshot-control", False))
         notes = dict(annotations or {})
@@ -98,7 +119,7 @@ class RuncBox:
                 "poststop": [{"path": hook, "args": ["cudahook-oci-hook", "poststop"]}],
             }
         bundle = make_bundle(self.work / name, ["/bin/sh", "-c", script], env=env, binds=binds,
-                             annotations=notes, hooks=hooks)
+                             annotations=notes, hooks=hooks, devices=devices)
         if control_symlink is not None:
             # The image itself makes /snapshot-control a symlink.
             (bundle / "rootfs" / "snapshot-control").symlink_to(control_symlink)

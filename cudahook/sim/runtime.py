@@ -41,6 +41,11 @@ from .protocol import (
 )
 
 RUNNING, LOCKED, CHECKPOINTED = "running", "locked", "checkpointed"
+# CUDA 13.4+ reports a checkpoint or restore in progress.
+CHECKPOINTING, RESTORING = "checkpointing", "restoring"
+# States the driver reports for a process in trouble; tests put a process
+# there with the "sim-force-state" request (never sent by the fake tool).
+FORCEABLE = ("failed", "unknown", "checkpointing", "restoring", RUNNING, LOCKED, CHECKPOINTED)
 PR_SET_NAME = 15
 
 
@@ -80,6 +85,10 @@ class SimCuda:
         self.host_copy: dict[str, bytes] = {}  # name -> content while checkpointed
         self.lost: str | None = None
         self.restore_tid = 0
+        self.visible: list[str] = []  # every GPU CUDA sees in this process
+        # A --launch-job member (R590+): the driver cannot drive two members
+        # of one job at once.
+        self.job_file = os.environ.get("CUDA_CHECKPOINT_JOB_FILE", "")
         self._ready = threading.Event()
 
     # -- setup ---------------------------------------------------------------
@@ -87,6 +96,15 @@ class SimCuda:
     def init(self) -> None:
         """cuInit + context creation: GPU connection, device nodes, restore thread."""
         self._acquire(self.gpu_uuid)
+        assert self.chan is not None
+        gpus = self.chan.call({"op": "info"})[0]["gpus"]
+        # As nvidia-container-toolkit sets it up: NVIDIA_VISIBLE_DEVICES names
+        # the container's GPUs; a process outside one sees them all.
+        env = [u.strip() for u in os.environ.get("NVIDIA_VISIBLE_DEVICES", "").split(",")]
+        named = [u for u in env if u.startswith(("GPU-", "MIG-"))]
+        self.visible = named or [g["uuid"] for g in gpus]
+        if self.gpu_uuid not in self.visible:
+            self.visible.append(self.gpu_uuid)
         thread = threading.Thread(target=self._serve, name="cuda-restore", daemon=True)
         thread.start()
         self._ready.wait()
@@ -221,19 +239,45 @@ class SimCuda:
             return {"state": self.state}
         if op == "get-restore-tid":
             return {"tid": self.restore_tid}
-        if op == "lock":
-            self.lock(int(msg.get("timeout_ms", 0)))
-        elif op == "checkpoint":
-            self.checkpoint()
-        elif op == "restore":
-            self.restore(msg.get("device_map") or {})
-        elif op == "unlock":
-            self.unlock()
+        if op in ("lock", "checkpoint", "restore", "unlock"):
+            with self._job_turn():
+                if op == "lock":
+                    self.lock(int(msg.get("timeout_ms", 0)))
+                elif op == "checkpoint":
+                    self.checkpoint(bool(msg.get("transient")))
+                elif op == "restore":
+                    self.restore(msg.get("device_map") or {}, bool(msg.get("transient")))
+                else:
+                    self.unlock()
         elif op == "status":
-            return {"state": self.state, "gpu": self.gpu_uuid, "lost": self.lost, "tag": self.tag}
+            return {"state": self.state, "gpu": self.gpu_uuid, "lost": self.lost, "tag": self.tag,
+                    "visible": self.visible}
+        elif op == "sim-force-state" and msg.get("state") in FORCEABLE:
+            with self.cond:
+                self.state = str(msg["state"])
+                self.cond.notify_all()
         else:
             raise CudaError(INVALID_VALUE, f"unknown request {op!r}")
         return {}
+
+    @contextlib.contextmanager
+    def _job_turn(self):  # type: ignore[no-untyped-def]
+        """Hold the job's turn for one operation; another member already
+        holding it makes this one fail, as the driver does."""
+        if not self.job_file:
+            yield
+            return
+        import fcntl
+
+        fd = os.open(self.job_file + ".busy", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CudaError(ILLEGAL_STATE) from None
+            yield
+        finally:
+            os.close(fd)  # nothing of the job left open for CRIU
 
     def lock(self, timeout_ms: int) -> None:
         with self.cond:
@@ -249,11 +293,25 @@ class SimCuda:
                     raise CudaError(TIMEOUT)
                 self.cond.wait(left)
 
-    def checkpoint(self) -> None:
+    def _begin(self, need: str, during: str | None) -> None:
+        """Check the state an operation needs; with `during` (CUDA 13.4+),
+        report that state while the operation runs."""
         with self.cond:
-            if self.state != LOCKED:
+            if self.state != need:
                 raise CudaError(ILLEGAL_STATE)
+            if during:
+                self.state = during
+
+    def _undo(self, back: str, during: str | None) -> None:
+        if during:
+            with self.cond:
+                self.state = back
+
+    def checkpoint(self, transient: bool = False) -> None:
+        during = CHECKPOINTING if transient else None
+        self._begin(LOCKED, during)
         if self.chan is None:
+            self._undo(LOCKED, during)
             raise CudaError(UNKNOWN, self.lost or "no GPU context")
         copy: dict[str, bytes] = {}
         try:
@@ -264,7 +322,11 @@ class SimCuda:
                 copy[name] = data
                 self._transfer_cost(len(data))
         except GpuLost as exc:
+            self._undo(LOCKED, during)
             raise CudaError(UNKNOWN, str(exc)) from exc
+        except CudaError:
+            self._undo(LOCKED, during)
+            raise
         self.host_copy = copy
         self.vmm_pending |= self.vmm & set(self.buffers)
         self.buffers = {}
@@ -272,15 +334,16 @@ class SimCuda:
         with self.cond:
             self.state = CHECKPOINTED
 
-    def restore(self, device_map: dict[str, str]) -> None:
-        with self.cond:
-            if self.state != CHECKPOINTED:
-                raise CudaError(ILLEGAL_STATE)
+    def restore(self, device_map: dict[str, str], transient: bool = False) -> None:
+        during = RESTORING if transient else None
+        self._begin(CHECKPOINTED, during)
         target = self.gpu_uuid
         if device_map:
-            if self.gpu_uuid not in device_map:
-                # The driver needs every checkpointed GPU in the map.
-                raise CudaError(INVALID_VALUE)
+            try:
+                self._check_map(device_map)
+            except CudaError:
+                self._undo(CHECKPOINTED, during)
+                raise
             target = device_map[self.gpu_uuid]
         old_uuid = self.gpu_uuid
         try:
@@ -294,13 +357,34 @@ class SimCuda:
             # A failed restore leaves the process checkpointed (cuda-checkpoint #44).
             self._release()
             self.gpu_uuid = old_uuid
+            self._undo(CHECKPOINTED, during)
             if isinstance(exc, CudaError):
                 raise
             raise CudaError(UNKNOWN, str(exc)) from exc
         self.buffers.update(handles)
         self.host_copy = {}
+        if device_map:
+            self.visible = [device_map.get(u, u) for u in self.visible]
         with self.cond:
             self.state = LOCKED
+
+    def _check_map(self, device_map: dict[str, str]) -> None:
+        """The driver's rules for --device-map: every GPU CUDA sees in the
+        process is listed (cuda-checkpoint #35), and each target is the same
+        chip with at least as much memory. Any breach: "invalid argument"."""
+        if any(u not in device_map for u in self.visible):
+            raise CudaError(INVALID_VALUE)
+        chan = Channel(connect_unix(self.gpu_socket))
+        try:
+            gpus = {g["uuid"]: g for g in chan.call({"op": "info"})[0]["gpus"]}
+        finally:
+            chan.close()
+        for old in self.visible:
+            src, dst = gpus.get(old), gpus.get(device_map[old])
+            if dst is None or (src is not None and (
+                    src["name"] != dst["name"]
+                    or src["memory_total_mib"] > dst["memory_total_mib"])):
+                raise CudaError(INVALID_VALUE)
 
     def unlock(self) -> None:
         with self.cond:
@@ -317,29 +401,49 @@ class SimCuda:
 def serve_forever(listener: socket.socket,
                   handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """One request per connection, answered in order: the driver serialises a
-    process's checkpoint operations the same way."""
+    process's checkpoint operations the same way. A checkpoint or restore
+    that reports its progress (CUDA 13.4+) runs beside the loop, so that
+    --get-state can say "checkpointing" or "restoring" meanwhile."""
     while True:
         try:
             conn, _ = listener.accept()
         except OSError:
             time.sleep(0.01)
             continue
-        with conn:
-            stream = conn.makefile("rwb")
-            try:
-                msg, _ = recv(stream)
-                try:
-                    reply = handle(msg)
-                    reply["ok"] = True
-                except CudaError as exc:
-                    reply = {"ok": False, "code": exc.code, "error": str(exc)}
-                except GpuLost as exc:
-                    reply = {"ok": False, "code": UNKNOWN, "error": str(exc)}
-                send(stream, reply)
-            except (EOFError, OSError, ValueError):
-                pass
-            finally:
-                # The socket's fd stays open while its file object does; a
-                # leftover peer would make CRIU refuse the dump.
-                with contextlib.suppress(OSError):
-                    stream.close()
+        stream = conn.makefile("rwb")
+        try:
+            msg, _ = recv(stream)
+        except (EOFError, OSError, ValueError):
+            _close(conn, stream)
+            continue
+        if msg.get("transient") and msg.get("op") in ("checkpoint", "restore"):
+            threading.Thread(target=_answer, args=(conn, stream, msg, handle),
+                             name="cuda-restore-op", daemon=True).start()
+        else:
+            _answer(conn, stream, msg, handle)
+
+
+def _answer(conn: socket.socket, stream: Any, msg: dict[str, Any],
+            handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    try:
+        try:
+            reply = handle(msg)
+            reply["ok"] = True
+        except CudaError as exc:
+            reply = {"ok": False, "code": exc.code, "error": str(exc)}
+        except GpuLost as exc:
+            reply = {"ok": False, "code": UNKNOWN, "error": str(exc)}
+        send(stream, reply)
+    except (EOFError, OSError, ValueError):
+        pass
+    finally:
+        _close(conn, stream)
+
+
+def _close(conn: socket.socket, stream: Any) -> None:
+    # The socket's fd stays open while its file object does; a leftover peer
+    # would make CRIU refuse the dump.
+    with contextlib.suppress(OSError):
+        stream.close()
+    with contextlib.suppress(OSError):
+        conn.close()

@@ -1,11 +1,15 @@
 """A drop-in `nvidia-smi` for the simulated GPU: the queries cudahook makes.
 
 Supports `--query-gpu=FIELDS` and `--query-compute-apps=FIELDS` with
-`--format=csv[,noheader][,nounits]`, and `-L`.
+`--format=csv[,noheader][,nounits]`, and `-L`. Like the real one it prints
+"No devices were found" and exits 6 when the node has no GPU, reports each
+GPU's persistence mode as configured ("Enabled" unless a GPU says
+"Disabled"), and prints "[N/A]" for fields a GPU's spec marks so.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -13,12 +17,12 @@ from .protocol import Channel, connect_unix
 
 GPU_FIELDS = {
     "index": ("index", lambda g, i: str(g["index"])),
-    "uuid": ("uuid", lambda g, i: g["uuid"]),
+    "uuid": ("uuid", lambda g, i: g.get("parent", g["uuid"])),
     "name": ("name", lambda g, i: g["name"]),
     "memory.total": ("memory.total [MiB]", lambda g, i: f"{g['memory_total_mib']}"),
     "memory.used": ("memory.used [MiB]", lambda g, i: f"{g['memory_used_mib']}"),
     "driver_version": ("driver_version", lambda g, i: i["driver_version"]),
-    "persistence_mode": ("persistence_mode", lambda g, i: "Enabled"),
+    "persistence_mode": ("persistence_mode", lambda g, i: g.get("persistence_mode", "Enabled")),
     "pci.bus_id": ("pci.bus_id", lambda g, i: f"00000000:{0x18 + g['index']:02X}:00.0"),
 }
 APP_FIELDS = {
@@ -34,15 +38,46 @@ def main(argv: list[str], sim_dir: str) -> int:
         chan = Channel(connect_unix(os.path.join(sim_dir, "gpu.sock"), timeout=10))
         info, _ = chan.call({"op": "info"})
         chan.close()
+        # The loaded driver, as /proc/driver/nvidia/version says it, and
+        # what the node's configuration says of each GPU beyond the service.
+        with open(os.path.join(sim_dir, "sim.json")) as f:
+            config = json.load(f)
+        info["driver_version"] = config["driver_version"]
     except OSError:
         print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
               "Make sure that the latest NVIDIA driver is installed and running.")
         return 9
+    if not config.get("gpus"):
+        print("No devices were found")
+        return 6
+    by_uuid = {g["uuid"]: g for g in config["gpus"]}
+    for g in info["gpus"]:
+        spec = by_uuid.get(g["uuid"], {})
+        if "persistence_mode" in spec:
+            g["persistence_mode"] = spec["persistence_mode"]
+        g["fields"] = spec.get("fields", {})
+        if g["uuid"].startswith("MIG-"):
+            # A MIG instance: the GPU query shows its parent GPU, -L both.
+            g["parent"] = spec.get("parent") or "GPU-" + g["uuid"][4:]
+    if argv[:1] in (["-pm"], ["--persistence-mode"]) and argv[1:2] in (["0"], ["1"]):
+        # Every GPU's mode, kept in the node's configuration for later queries.
+        mode = "Enabled" if argv[1] == "1" else "Disabled"
+        for g, spec in zip(info["gpus"], config["gpus"], strict=False):
+            spec["persistence_mode"] = mode
+            print(f"{mode} persistence mode for GPU 00000000:{0x18 + g['index']:02X}:00.0.")
+        print("All done.")
+        tmp = os.path.join(sim_dir, ".sim.json.smi")
+        with open(tmp, "w") as f:
+            json.dump(config, f, indent=1)
+        os.replace(tmp, os.path.join(sim_dir, "sim.json"))
+        return 0
     fmt = next((a.split("=", 1)[1] for a in argv if a.startswith("--format=")), "")
     opts = set(fmt.split(",")) if fmt else set()
     if "-L" in argv or "--list-gpus" in argv:
         for g in info["gpus"]:
-            print(f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})")
+            print(f"GPU {g['index']}: {g['name']} (UUID: {g.get('parent', g['uuid'])})")
+            if "parent" in g:
+                print(f"  MIG 1g.10gb     Device  0: (UUID: {g['uuid']})")
         return 0
     for arg in argv:
         if arg.startswith(("--query-gpu=", "--query-compute-apps=")):
@@ -64,9 +99,11 @@ def main(argv: list[str], sim_dir: str) -> int:
                 else [(g, p) for g in info["gpus"] for p in g["processes"] if p["kind"] == "cuda"]
             )
             for a, b in rows:
-                values = [table[n][1](a, b) for n in names]
+                # A field the GPU cannot report reads "[N/A]" (MIG, vGPU), no unit.
+                raw = a.get("fields", {}) if kind == "query-gpu" else {}
+                values = [raw.get(n) or table[n][1](a, b) for n in names]
                 if "nounits" not in opts:
-                    values = [v + " MiB" if table[n][0].endswith("[MiB]") else v
+                    values = [v + " MiB" if table[n][0].endswith("[MiB]") and n not in raw else v
                               for n, v in zip(names, values, strict=True)]
                 print(", ".join(values))
             return 0

@@ -49,6 +49,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vmm-dir", default=os.environ.get("CUDA_SIM_VMM_DIR", "/snapshot-control"))
     p.add_argument("--vmm-decoy", choices=("symlink", "fifo", "file"),
                    help="put this at the shim's socket path instead of a socket")
+    p.add_argument("--nvml", action="store_true",
+                   help="also hold NVML handles on the device nodes for life, as PyTorch and "
+                   "NCCL do: a CUDA checkpoint does not release them")
     p.add_argument("--nvml-only", action="store_true",
                    help="open the device nodes like an NVML monitor, never init CUDA")
     return p.parse_args(argv)
@@ -112,6 +115,13 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
     cuda = SimCuda(args.socket, resolve_gpu(args.socket, args.gpu), args.dev_dir, args.ctl_dir,
                    tag=args.tag)
     cuda.init()
+    nvml = []
+    if args.nvml:
+        # nvmlInit opens the control node and each GPU's node itself, apart
+        # from CUDA's context; the checkpoint only releases CUDA's.
+        nvml = [os.open(os.path.join(args.dev_dir, n), os.O_RDWR | os.O_CLOEXEC)
+                for n in ("nvidiactl", f"nvidia{cuda.index}")
+                if os.path.exists(os.path.join(args.dev_dir, n))]
     cuda.alloc("data", size, seed=args.seed)
     cuda.alloc("counter", 8)
     vmm_expected = None
@@ -121,7 +131,7 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
         vmm_expected = hashlib.sha256(pattern(args.seed + 1000, size)).hexdigest()
         start_shim(cuda, args)
     rep.write(mode="cuda", state="running", counter=0, checks=0, intact=True,
-              gpu=cuda.gpu_uuid, mib=args.mib, restore_tid=cuda.restore_tid)
+              gpu=cuda.gpu_uuid, mib=args.mib, restore_tid=cuda.restore_tid, nvml_fds=len(nvml))
     last = 0
     step = 0
     while True:

@@ -4,6 +4,7 @@ real runc and CRIU and the simulated GPU."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -73,7 +74,10 @@ def test_hook_not_registered_the_dump_is_refused(make_env, tmp_path) -> None:  #
     r = env.box.checkpoint(cid, tmp_path / "img")
     assert r.returncode != 0
     dump_log = (tmp_path / "img.work" / "dump.log").read_text()
-    assert "External socket is used" in dump_log  # the live GPU connection
+    # The live GPU: an open /dev/nvidia* node (a character device CRIU cannot
+    # dump), or the connection to the GPU service, whichever CRIU meets first.
+    assert ("External socket is used" in dump_log
+            or re.search(r"Can't dump file \d+ of that type \[\d+\] \(chr ", dump_log)), dump_log[-2000:]
     env.wait_running(tags, before)
 
 
@@ -223,7 +227,8 @@ def test_paused_first_as_containerd_and_docker_do(make_env, tmp_path, leave_runn
 def test_containers_without_gpu_never_start_python(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The shell fast paths: no record, no pre-dump/restore work for a plain
     container; a container holding GPU device nodes (an NVML monitor) does
-    start Python, which finds no CUDA process and lets CRIU go on."""
+    start Python, which finds no CUDA process but the device files CRIU
+    cannot dump, and refuses, naming them, before CRIU fails on them."""
     env = make_env()
     plain = env.box.bundle("plain", [], others=["sleep 100000"], visible=[])
     cid = env.cid()
@@ -237,6 +242,24 @@ def test_containers_without_gpu_never_start_python(make_env, tmp_path) -> None: 
     cid2 = env.cid()
     assert env.box.run(cid2, nvml).returncode == 0
     env.lab.wait_counter("mon", 2)
-    assert env.box.checkpoint(cid2, tmp_path / "img2").returncode == 0
+    r = env.box.checkpoint(cid2, tmp_path / "img2")
+    assert r.returncode != 0
     pre = env.wait_event("pre-dump")
     assert pre["cuda_processes"] == 0 and pre["container"] == cid2
+    assert "holds /dev/nvidia0, /dev/nvidiactl" in pre["error"] and "nothing was locked" in pre["error"]
+    assert env.box.state(cid2)["status"] == "running"
+    env.lab.wait_counter("mon", env.lab.status("mon")["counter"] + 2)
+
+
+def test_simulated_device_nodes_fail_the_dump_like_real_ones(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Without cudahook, an fd left open on /dev/nvidia* stops CRIU, as on a
+    GPU node: the simulated nodes are character devices CRIU cannot dump."""
+    env = make_env()
+    nvml = env.box.bundle("nvml-bare", [("mon", {"nvml_only": True})], action_script=False,
+                          oci_hooks=False)
+    cid = env.cid()
+    assert env.box.run(cid, nvml).returncode == 0
+    env.lab.wait_counter("mon", 2)
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    assert env.box.state(cid)["status"] == "running"

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from cudahook.core.backends.cli import CudaCheckpointCLI
-
 from cudahook.core.engine import Engine
 from cudahook.platform.config import Settings
 from cudahook.platform.host import Host
@@ -304,12 +303,12 @@ class Rig:
 
     @classmethod
     def simulated(cls, workdir: Path | None = None, *, root: Path | None = None,
-                  call_timeout_s: float = 30.0) -> Rig:
-        """A simulated one-GPU R580 node (like the real machine) at `root` or in workdir."""
+                  call_timeout_s: float = 30.0, driver: int = 580) -> Rig:
+        """A simulated one-GPU node (R580 like the real machine) at `root` or in workdir."""
         from cudahook.sim.lab import SimLab
 
         wd = workdir or Path(tempfile.mkdtemp(prefix="cudahook-gpu-sim-"))
-        lab = SimLab(root or wd / "node", driver=580, gpus=1).start()
+        lab = SimLab(root or wd / "node", driver=driver, gpus=1).start()
         settings = lab.settings(call_timeout_s=call_timeout_s)
         return cls(True, str(lab.cuda_checkpoint), str(lab.nvidia_smi), settings, wd, lab=lab)
 
@@ -322,17 +321,22 @@ class Rig:
         host = Host()
         return Engine(CudaCheckpointCLI(host, settings), settings, host)
 
-    def spawn(self, name: str, kind: str, gib: float | None = None, **opts: Any) -> Workload:
-        """Start a workload. Call from the main thread: see workloads.die_with_parent."""
+    def spawn(self, name: str, kind: str, gib: float | None = None,
+              launch: list[str] | None = None, **opts: Any) -> Workload:
+        """Start a workload. Call from the main thread: see workloads.die_with_parent.
+
+        `launch`: a command line the workload's runs under, e.g.
+        `[cuda-checkpoint, "--launch-job", FILE]` for an R590 job member."""
         start = self._spawn_sim if self.sim else self._spawn_real
-        wl = start(name, kind, gib, **opts)
+        wl = start(name, kind, gib, launch or [], **opts)
         self.workloads.append(wl)
         return wl
 
-    def _spawn_real(self, name: str, kind: str, gib: float | None, **opts: Any) -> Workload:
+    def _spawn_real(self, name: str, kind: str, gib: float | None, launch: list[str],
+                    **opts: Any) -> Workload:
         status = self.workdir / f"{name}.json"
         log = self.workdir / f"{name}.log"
-        argv = [workload_python(), str(WORKLOADS), kind, "--status", str(status)]
+        argv = [*launch, workload_python(), str(WORKLOADS), kind, "--status", str(status)]
         if gib is not None:
             argv += ["--gib", str(gib)]
         for key, value in opts.items():
@@ -347,10 +351,16 @@ class Rig:
             paths = [status]
         return Workload(name, kind, proc, paths, log)
 
-    def _spawn_sim(self, name: str, kind: str, gib: float | None, **opts: Any) -> Workload:
+    def _spawn_sim(self, name: str, kind: str, gib: float | None, launch: list[str],
+                   **opts: Any) -> Workload:
         # The simulator moves bytes through sockets: scale GiB down to MiB.
         mib = max(4, int((gib if gib is not None else 1.0) * 16))
-        if kind == "memory":
+        if launch:
+            proc = subprocess.Popen([*launch, *self.lab.workload_argv(name, mib=mib)],
+                                    env=self.lab.workload_env(), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        elif kind == "memory":
             proc = self.lab.spawn(name, mib=mib)
         elif kind == "busy":
             # Near back-to-back long kernels, as workloads.py's busy keeps queued.

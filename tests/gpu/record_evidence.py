@@ -8,11 +8,18 @@ It starts small real CUDA workloads (tests/gpu/workloads.py), a non-CUDA
 process and an NVML-only one, then records, call by call, exactly what the
 tool prints and returns: help texts, `--get-state` in every state, the error
 for every illegal transition and non-CUDA target, a lock timeout, bad device
-maps, a `--toggle` round trip, and timings (driver attach cost, and lock /
-checkpoint / restore / unlock per GiB). Each call that the simulator has a
+maps, a `--toggle` round trip, getopt forms (abbreviations, `-pPID`,
+`--pid=PID`), a thread ID as `--pid`, `--timeout 0`, `--get-state` polled
+during a long checkpoint and restore, persistence mode off and on, two
+members of one R590 job driven at once, and timings (driver attach cost, and
+lock / checkpoint / restore / unlock per GiB). It keeps the raw `--help`
+bytes, the stub's sha256, where `libcuda.so.1` resolves and
+`/proc/driver/nvidia/version`; the features cudahook uses come from that
+driver version and are compared with what `--help` advertises. Each call that the simulator has a
 guess for (cudahook/sim/tool.py, cudahook/sim/protocol.py) is compared with
-that guess. Output: evidence.json and evidence.md in DIR (default
-docs/gpu-evidence/; sim-evidence.* for a dry run).
+that guess; evidence.md lists every difference. Output: evidence.json and
+evidence.md in DIR (default docs/gpu-evidence/; sim-evidence.* for a dry
+run, on the branch `--sim-driver` names).
 
 Every step is guarded (one failure never stops the others), every call has a
 deadline, the whole run has a budget after which remaining steps are
@@ -36,6 +43,7 @@ import platform
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,14 +57,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from cudahook.core.backends.cli import parse_help  # noqa: E402
+from cudahook.core.backends.cli import features_for, parse_help, parse_nvrm  # noqa: E402
 from cudahook.core.discovery import CUDA_THREAD  # noqa: E402
 from cudahook.platform.host import Host, RunResult  # noqa: E402
 from cudahook.sim import tool as simtool  # noqa: E402
 from cudahook.sim.protocol import (  # noqa: E402
     CUDA_ERRORS,
     ILLEGAL_STATE,
-    INVALID_DEVICE,
     INVALID_VALUE,
     TIMEOUT,
 )
@@ -85,9 +92,14 @@ class Expect:
     stderr: str | None = None
 
 
-def sim_error(op: str, pid: int, code: int) -> Expect:
+def fail_status(major: int) -> int:
+    """Every failure's exit status: 1 on R555+, 255 on R550 (the CUDA error is in stderr)."""
+    return 255 if 0 < major < 555 else 1
+
+
+def sim_error(op: str, pid: int, code: int, major: int = 580) -> Expect:
     """The simulator's failure for an operation on a CUDA process: message and exit status."""
-    return Expect(code & 0xFF, "", f'{simtool.FAIL_TEXT[op].format(pid=pid)}: "{CUDA_ERRORS[code]}"\n')
+    return Expect(fail_status(major), "", simtool.fail_text(op, pid, CUDA_ERRORS[code]))
 
 
 def sim_ok(stdout: str | None = "") -> Expect:
@@ -122,7 +134,8 @@ class Recorder:
                 "sizes_gib": sizes,
             },
             "steps": [], "calls": [], "snapshots": [], "timing": {}, "environment": {},
-            "help": {}, "targets": {}, "workloads": {},
+            "help": {}, "targets": {}, "workloads": {}, "polls": {}, "persistence": {},
+            "jobs": {},
         }
 
     # -- plumbing ----------------------------------------------------------------
@@ -189,13 +202,19 @@ class Recorder:
         """
         with tempfile.TemporaryDirectory() as d:
             version = simtool.VERSIONS.get(self.major or 580, f"{self.major}.00.00")
-            Path(d, "sim.json").write_text(json.dumps({"driver_version": version}))
+            # A node with one GPU whose driver is up (this process stands in for
+            # the GPU service), so the fake's cuInit passes as the real one's does.
+            Path(d, "sim.json").write_text(json.dumps({"driver_version": version,
+                                                       "gpus": [{"uuid": NULL_UUID}]}))
+            Path(d, "gpu.pid").write_text(f"{os.getpid()}\n")
             out, err = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                rc = simtool.main(list(args), d)
+                rc = simtool.main(list(args), d, self.tool)
         return Expect(rc, out.getvalue(), err.getvalue())
 
     def state(self, group: str, role: str, expect_state: str | None) -> str:
+        if 0 < self.major < 555:
+            return ""  # R550 cannot be asked; its answer is the toggle's exit status
         pid = self.roles[role]
         exp = sim_ok(f"{expect_state}\n") if expect_state else None
         entry = self.call(group, f"get-state ({role}, expect {expect_state})",
@@ -263,7 +282,9 @@ class Recorder:
         # gVisor reports a 4.4.0 kernel; the driver's checkpoint ioctls may not pass through it.
         env["kernel"] = platform.release()
         with contextlib.suppress(OSError):
-            env["proc_driver_version"] = Path("/proc/driver/nvidia/version").read_text()
+            env["proc_driver_version"] = Path(self.rig.settings.driver_version_file).read_text()
+        env["driver_from_proc"] = parse_nvrm(env.get("proc_driver_version", ""))
+        env["libcuda"] = libcuda_paths(self.host)
         data = Path(self.tool).read_bytes()
         env["tool_sha256"] = hashlib.sha256(data).hexdigest()
         env["tool_bytes"] = len(data)
@@ -271,21 +292,35 @@ class Recorder:
         env["nvidia_smi_query_gpu"] = raw
         env["gpus"] = rows
         env["driver_version"] = rows[0]["driver_version"] if rows else None
+        # The driver decides the tool's features (the tool is a stub).
+        version = env["driver_from_proc"] or env["driver_version"] or ""
+        self.major = features_for(version).major
+        self.data["driver_features"] = asdict(features_for(version)) if version else None
         with contextlib.suppress(OSError):
             env["usr_local_nvidia_bin"] = sorted(os.listdir("/usr/local/nvidia/bin"))
 
     def help(self) -> None:
         h = self.data["help"]
-        res = self.call("help", "--help", ["--help"])
-        self.call("help", "-h", ["-h"])
-        self.call("help", "no arguments", [])
+        raw = subprocess.run([self.tool, "--help"], capture_output=True, timeout=self.call_timeout_s)
+        h["raw"] = {"rc": raw.returncode, "stdout_hex": raw.stdout.hex(),
+                    "stderr_hex": raw.stderr.hex(),
+                    "stdout_sha256": hashlib.sha256(raw.stdout).hexdigest()}
+        res = self.call("help", "--help", ["--help"], expect=self.sim_says(["--help"]))
+        self.call("help", "-h", ["-h"], expect=self.sim_says(["-h"]))
+        self.call("help", "no arguments", [], expect=self.sim_says([]))
         text = str(res["stdout"]) + str(res["stderr"])
         feats = parse_help(text)
-        self.major = feats.major
-        self.features = asdict(feats)
-        h["features"] = self.features
+        self.major = self.major or feats.major
+        driver = self.data.get("driver_features")
+        # What cudahook uses is the driver's; what --help says is compared to it.
+        self.features = driver or asdict(feats)
+        h["features"] = asdict(feats)
+        h["features_match_driver"] = driver is None or {
+            k: v for k, v in asdict(feats).items() if k != "version"} == {
+            k: v for k, v in driver.items() if k != "version"}
         h["text"] = text
-        sim_text = simtool.help_text(self.major or 580)
+        said = self.sim_says(["--help"])
+        sim_text = said.stdout + (said.stderr or "")  # R550's fake prints no help
         if feats.version:
             sim_text = re.sub(r"Version \S+\.", f"Version {feats.version}.", sim_text)
         h["sim_text_equal"] = sim_text == text
@@ -340,7 +375,7 @@ class Recorder:
         ill = "illegal"
 
         def illegal(op: str) -> Expect:
-            return sim_error(op, pid, ILLEGAL_STATE)
+            return sim_error(op, pid, ILLEGAL_STATE, self.major)
 
         self.action(ill, "checkpoint when running", r, "checkpoint", expect=illegal("checkpoint"))
         self.action(ill, "unlock when running", r, "unlock", expect=illegal("unlock"))
@@ -395,12 +430,12 @@ class Recorder:
         source = self.rig.gpu_of(self.wl[r])
         self.data["device_map_source"] = {"used": source, "reported": self.wl[r].statuses()[0].get("gpu")}
         self.action(g, "restore onto an unknown GPU", r, "restore", "--device-map", f"{source}={NULL_UUID}",
-                    expect=sim_error("restore", pid, INVALID_DEVICE))
+                    expect=sim_error("restore", pid, INVALID_VALUE, self.major))
         now = self.state(g, r, CHECKPOINTED)
         if now != CHECKPOINTED:
             return now
         self.action(g, "restore with a map that omits the GPU", r, "restore", "--device-map",
-                    f"{OTHER_UUID}={source}", expect=sim_error("restore", pid, INVALID_VALUE))
+                    f"{OTHER_UUID}={source}", expect=sim_error("restore", pid, INVALID_VALUE, self.major))
         now = self.state(g, r, CHECKPOINTED)
         if now != CHECKPOINTED:
             return now
@@ -430,7 +465,7 @@ class Recorder:
         pid = self.roles[r]
         before = self.wl[r].counters()
         e = self.action(g, "lock --timeout 1 (long kernels in flight)", r, "lock", "--timeout", "1",
-                        expect=sim_error("lock", pid, TIMEOUT))
+                        expect=sim_error("lock", pid, TIMEOUT, self.major))
         if self.state(g, r, RUNNING) == LOCKED:  # the lock did not wait: undo it
             self.action(g, "unlock (cleanup)", r, "unlock")
         e2 = self.action(g, "lock --timeout 10000 (waits for the kernels)", r, "lock", "--timeout", "10000",
@@ -496,6 +531,129 @@ class Recorder:
         ):
             self.call("usage", label, args, target="sleep", expect=self.sim_says(args))
 
+    def option_forms(self) -> None:
+        """Forms the driver's getopt_long takes, a thread ID as --pid, --timeout 0."""
+        g, r = "options", "walk"
+        pid = self.roles[r]
+        before = self.wl[r].counters()
+        running = sim_ok("running\n")
+        for label, args in (("abbreviated --get-s", ["--get-s", "--pid", str(pid)]),
+                            ("abbreviated --p", ["--get-state", "--p", str(pid)]),
+                            ("ambiguous --get", ["--get", "--pid", str(pid)]),
+                            ("-pPID", [f"-p{pid}", "--get-state"]),
+                            ("--pid=PID", [f"--pid={pid}", "--get-state"])):
+            self.call(g, label, args, target=r,
+                      expect=running if "ambiguous" not in label else self.sim_says(args))
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        self.data["thread_ids"] = tids[:8]
+        if tids:
+            self.call(g, "get-state with a thread ID as --pid",
+                      ["--get-state", "--pid", str(tids[0])], target=r, expect=running)
+            restore_tid = str(self.data.get("restore_tid", {}).get("tid") or "")
+            if restore_tid.isdigit():
+                self.call(g, "get-state with the restore thread's ID",
+                          ["--get-state", "--pid", restore_tid], target=r, expect=running)
+        self.action(g, "lock --timeout 0", r, "lock", "--timeout", "0", expect=sim_ok(), timeout=60)
+        self.action(g, "checkpoint --timeout 0", r, "checkpoint", "--timeout", "0", expect=sim_ok())
+        now = self.state(g, r, CHECKPOINTED)
+        self.ensure(r, RUNNING, now if now != CHECKPOINTED else self._back(g, r))
+        self._check_workload(r, before)
+
+    def _back(self, g: str, r: str) -> str:
+        self.action(g, "restore", r, "restore", expect=sim_ok())
+        self.action(g, "unlock", r, "unlock", expect=sim_ok())
+        return self.state(g, r, RUNNING)
+
+    def poll_states(self) -> None:
+        """--get-state while a long checkpoint and restore run (CUDA 13.4+:
+        checkpointing / restoring), on the largest timing workload."""
+        r = f"mem{max(self.sizes):g}"
+        pid = str(self.roles[r])
+        before = self.wl[r].counters()
+        self.action("poll", "lock", r, "lock", "--timeout", "10000", expect=sim_ok(), timeout=60)
+        for action in ("checkpoint", "restore"):
+            polls: list[dict[str, Any]] = []
+            t0 = time.monotonic()
+            proc = subprocess.Popen([self.tool, "--action", action, "--pid", pid],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            while proc.poll() is None and time.monotonic() - t0 < min(120.0, self.left()):
+                q = self.run([self.tool, "--get-state", "--pid", pid], 30)
+                polls.append({"t_s": round(time.monotonic() - t0, 3), "rc": q.returncode,
+                              "stdout": q.stdout, "stderr": q.stderr})
+            try:
+                out, err = proc.communicate(timeout=max(5.0, min(120.0, self.left())))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            self.data["polls"][action] = {
+                "rc": proc.returncode, "stdout": out, "stderr": err,
+                "duration_s": round(time.monotonic() - t0, 3), "polls": polls,
+                "states_seen": sorted({p["stdout"].strip() for p in polls if p["rc"] == 0})}
+        self.action("poll", "unlock", r, "unlock", expect=sim_ok())
+        self.ensure(r, RUNNING, self.state("poll", r, RUNNING))
+        self._check_workload(r, before)
+
+    def persistence(self) -> None:
+        """Persistence mode as nvidia-smi reports it, off and back on (root only)."""
+        rec = self.data["persistence"]
+        query = [self.rig.smi, "--query-gpu=index,persistence_mode", "--format=csv,noheader"]
+        first = self.run(query, 30)
+        rec["initial"] = {"rc": first.returncode, "stdout": first.stdout, "stderr": first.stderr}
+        if os.geteuid() != 0:
+            raise StepSkipped("changing persistence mode needs root")
+        was_on = "Enabled" in first.stdout
+        try:
+            for label, mode in (("off", "0"), ("on", "1")):
+                r = self.run([self.rig.smi, "-pm", mode], 60)
+                q = self.run(query, 30)
+                walk = None
+                if "walk" in self.roles and not 0 < self.major < 555:
+                    walk = self.call("persistence", f"get-state with persistence {label}",
+                                     ["--get-state", "--pid", str(self.roles["walk"])], target="walk",
+                                     expect=sim_ok("running\n"))["rc"]
+                rec[label] = {"set_rc": r.returncode, "set_out": r.stdout + r.stderr,
+                              "query": q.stdout, "get_state_rc": walk}
+        finally:
+            self.run([self.rig.smi, "-pm", "1" if was_on else "0"], 60)
+
+    def jobs(self) -> None:
+        """R590+: two members of one --launch-job job driven at once."""
+        if not self.features.get("launch_job"):
+            raise StepSkipped(f"driver {self.major}: no --launch-job")
+        job = self.rig.workdir / "job"
+        job.write_text("")
+        members = [self.rig.spawn(f"job{i}", "memory", gib=0.25,
+                                  launch=[self.tool, "--launch-job", str(job)]) for i in range(2)]
+        for wl in members:
+            wl.wait_ready(min(120.0, max(10.0, self.left())))
+        pids = [wl.pids()[0] for wl in members]
+        rec = self.data["jobs"]
+        rec["pids"] = pids
+        rec["lock"] = [self.run([self.tool, "--action", "lock", "--pid", str(p)], 60).returncode
+                       for p in pids]
+        calls = [subprocess.Popen([self.tool, "--action", "checkpoint", "--pid", str(p)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for p in pids]
+        results = []
+        for c in calls:
+            try:
+                out, err = c.communicate(timeout=max(10.0, min(120.0, self.left())))
+            except subprocess.TimeoutExpired:
+                c.kill()
+                out, err = c.communicate()
+                err += "\n(killed: hung)"
+            results.append({"rc": c.returncode, "stdout": out, "stderr": err})
+        rec["checkpoint_at_once"] = results
+        rec["sim_expect"] = "one succeeds, the other fails: the operation cannot be performed " \
+                            "in the present state"
+        rec["states"] = [self.run([self.tool, "--get-state", "--pid", str(p)], 60).stdout.strip()
+                         for p in pids]
+        for p, state in zip(pids, rec["states"], strict=True):
+            for was, action in ((CHECKPOINTED, "restore"), (LOCKED, "unlock")):
+                if state == was:
+                    self.run([self.tool, "--action", action, "--pid", str(p)], 60)
+                    state = LOCKED if action == "restore" else RUNNING
+
     def end(self) -> None:
         """Every CUDA workload back to running, then its status; failures are the finding."""
         final: dict[str, Any] = {}
@@ -523,6 +681,20 @@ class Recorder:
         if st.get("intact") is not True or st.get("errors"):
             raise AssertionError(f"{role} not intact after the step: {st}")
         self.data["workloads"][role]["counters"] = {"before": before, "after": after}
+
+
+def libcuda_paths(host: Host) -> dict[str, str]:
+    """Where libcuda.so.1 resolves to (`readlink -f`): the driver the tool runs."""
+    found: dict[str, str] = {}
+    res = host.run(["ldconfig", "-p"], 30)
+    cands = [line.split("=>")[-1].strip() for line in res.stdout.splitlines()
+             if "libcuda.so.1 " in line]
+    cands += ["/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1",
+              "/usr/local/nvidia/lib64/libcuda.so.1"]
+    for c in cands:
+        if os.path.exists(c):
+            found[c] = os.path.realpath(c)
+    return found
 
 
 def fit_line(pts: list[tuple[float, float]]) -> dict[str, Any]:
@@ -578,6 +750,22 @@ def render_markdown(data: dict[str, Any]) -> str:
 
     calls = data["calls"]
     diffs = [c for c in calls if "sim" in c and not c["sim"]["match"]]
+    h = data.get("help", {})
+    other = []
+    if h and not h.get("sim_text_equal"):
+        other.append("--help text differs from the simulator's (diff at the end)")
+    if h and h.get("features_match_driver") is False:
+        other.append(f"--help advertises {h.get('features')} but the driver's branch says "
+                     f"{data.get('driver_features')}")
+    for action, poll in data.get("polls", {}).items():
+        extra = set(poll.get("states_seen", [])) - {RUNNING, LOCKED, CHECKPOINTED}
+        if extra:
+            other.append(f"--get-state during {action} said {sorted(extra)}")
+    for i, res in enumerate(data.get("jobs", {}).get("checkpoint_at_once", [])):
+        other.append(f"job member {i} checkpointed at once with another: rc {res['rc']}, "
+                     f"{res['stderr'].strip()!r} (simulator: {data['jobs'].get('sim_expect')})")
+    lines += ["", "## Other differences and findings", ""]
+    lines += [f"- {x}" for x in other] or ["None."]
     lines += ["", f"## Differences from the simulator ({len(diffs)} of "
               f"{sum(1 for c in calls if 'sim' in c)} compared calls)", ""]
     if diffs:
@@ -633,7 +821,6 @@ def render_markdown(data: dict[str, Any]) -> str:
         lines.append(f"- {name}: was {w.get('recovered_from', '-')!r}; state {st.get('state')}, "
                      f"intact {st.get('intact')}, counter {st.get('counter')}, errors {st.get('errors')}")
 
-    h = data.get("help", {})
     lines += ["", "## --help", "", "```", str(h.get("text", "")).rstrip(), "```", "",
               f"Same as the simulator's help for this branch: {h.get('sim_text_equal')}", ""]
     if h.get("diff_vs_sim"):
@@ -652,6 +839,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-gpu-workloads", action="store_true",
                    help="dry run on a simulated node (cudahook.sim) instead of a GPU")
     p.add_argument("--sim-dir", type=Path, help="with --no-gpu-workloads: the simulated node's folder")
+    p.add_argument("--sim-driver", type=int, default=580, choices=(550, 555, 570, 580, 590),
+                   help="with --no-gpu-workloads: the driver branch the simulated node emulates")
     p.add_argument("--sizes", default="1,2,4", help="GiB per timing workload (comma-separated)")
     p.add_argument("--budget-s", type=float, default=210.0, help="skip remaining steps after this")
     p.add_argument("--call-timeout-s", type=float, default=60.0, help="deadline per tool call")
@@ -666,7 +855,8 @@ def make_rig(args: argparse.Namespace, workdir: Path) -> tuple[Rig, str]:
             # A simulated node's tool lives in ROOT/bin: use that node.
             cand = Path(args.cuda_checkpoint).resolve().parent.parent
             root = cand if (cand / "sim.json").exists() else None
-        rig = Rig.simulated(workdir, root=root, call_timeout_s=args.call_timeout_s)
+        rig = Rig.simulated(workdir, root=root, call_timeout_s=args.call_timeout_s,
+                            driver=args.sim_driver)
         return rig, args.cuda_checkpoint or rig.tool
     tool = args.cuda_checkpoint
     if tool is None:
@@ -698,18 +888,27 @@ def main(argv: list[str]) -> int:
         ready = set(rec.roles)
         # Highest value first: the state machine and its errors, then what the
         # simulator guesses least well, then the timings.
-        for name, fn, needs, need_s in (
-            ("attach cost", rec.attach_cost, {"walk"}, 10),
-            ("states and illegal transitions", rec.walk_states, {"walk"}, 30),
-            ("non-CUDA targets", rec.non_cuda, {"sleep", "nvml"}, 20),
-            ("lock timeout", rec.lock_timeout, {"busy"}, 20),
-            ("usage errors", rec.usage, {"sleep"}, 10),
-            ("toggle round trip", rec.toggle, {"walk"}, 15),
-            ("timing per GiB", rec.timing, {f"mem{g:g}" for g in sizes}, 30),
+        # R550 takes only --toggle: the steps that act or ask otherwise are
+        # recorded once (usage, non-CUDA targets) and skipped after that.
+        for name, fn, needs, need_s, actions in (
+            ("attach cost", rec.attach_cost, {"walk"}, 10, True),
+            ("states and illegal transitions", rec.walk_states, {"walk"}, 30, True),
+            ("non-CUDA targets", rec.non_cuda, {"sleep", "nvml"}, 20, False),
+            ("lock timeout", rec.lock_timeout, {"busy"}, 20, True),
+            ("usage errors", rec.usage, {"sleep"}, 10, False),
+            ("toggle round trip", rec.toggle, {"walk"}, 15, False),
+            ("option forms, thread IDs, --timeout 0", rec.option_forms, {"walk"}, 20, True),
+            ("timing per GiB", rec.timing, {f"mem{g:g}" for g in sizes}, 30, True),
+            ("get-state during checkpoint and restore", rec.poll_states,
+             {f"mem{max(sizes):g}"}, 30, True),
+            ("persistence mode", rec.persistence, set(), 10, False),
+            ("R590 jobs", rec.jobs, set(), 30, True),
         ):
             with rec.step(name, need_s=need_s):
                 if not needs <= ready:
                     raise StepSkipped(f"workloads not started: {sorted(needs - ready)}")
+                if actions and 0 < rec.major < 555:
+                    raise StepSkipped(f"driver R{rec.major}: --toggle --pid only")
                 fn()
         with rec.step("end", always=True):
             rec.end()

@@ -39,7 +39,25 @@ if TYPE_CHECKING:
 RUNNING = "running"
 LOCKED = "locked"
 CHECKPOINTED = "checkpointed"
-STATES = (RUNNING, LOCKED, CHECKPOINTED)
+# A CUDA process in trouble (CU_PROCESS_STATE_FAILED) or one the driver cannot
+# place; CUDA 13.4+ also reports an operation in progress. None of these is
+# "not CUDA", and none is a state cudahook moves a process out of.
+FAILED = "failed"
+UNKNOWN = "unknown"
+CHECKPOINTING = "checkpointing"
+RESTORING = "restoring"
+STABLE = (RUNNING, LOCKED, CHECKPOINTED)
+STATES = (*STABLE, FAILED, UNKNOWN, CHECKPOINTING, RESTORING)
+
+
+def explain_state(state: str) -> str:
+    """A state as an operator should read it."""
+    return {
+        FAILED: "failed (the driver gave up on its CUDA state)",
+        UNKNOWN: "in an unknown CUDA state",
+        CHECKPOINTING: "still checkpointing",
+        RESTORING: "still restoring",
+    }.get(state, state)
 
 
 @dataclass(frozen=True)

@@ -8,24 +8,23 @@ which PID, which action, what exit status and what the tool printed.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import threading
-from dataclasses import asdict
-from pathlib import Path
 
 from cudahook.platform.config import Settings
 from cudahook.platform.errors import EnvironmentProblem, ToolError
 from cudahook.platform.host import Host
-from cudahook.platform.store import read_json, write_json_atomic
 
 from . import STATES, Features
 
 _VERSION = re.compile(r"Version\s+(\d+(?:\.\d+)*)")
+# /proc/driver/nvidia/version: "NVRM version: NVIDIA UNIX ... Kernel Module ...  580.65.06  ..."
+_NVRM = re.compile(r"^NVRM version:.*?\s(\d{3,}\.\d+(?:\.\d+)?)\s", re.MULTILINE)
 
 
 def parse_help(text: str) -> Features:
+    """What a --help text advertises (kept for diagnostics: features follow the driver)."""
     version = _VERSION.search(text)
     return Features(
         version=version.group(1) if version else "",
@@ -38,6 +37,59 @@ def parse_help(text: str) -> Features:
     )
 
 
+def features_for(version: str) -> Features:
+    """What cuda-checkpoint can do on this driver release.
+
+    The tool is a stub: its parser and operations live in libcuda, so the
+    driver branch decides (field notes, section 1), whatever the binary.
+    """
+    head = version.split(".", 1)[0]
+    major = int(head) if head.isdigit() else 0
+    return Features(
+        version=version,
+        toggle=major >= 550,
+        actions=major >= 555,
+        get_state=major >= 555,
+        restore_tid=major >= 555,
+        device_map=major >= 580,
+        launch_job=major >= 590,
+    )
+
+
+def parse_nvrm(text: str) -> str:
+    """The driver version in /proc/driver/nvidia/version's text, or ""."""
+    m = _NVRM.search(text)
+    return m.group(1) if m else ""
+
+
+def driver_version(host: Host, settings: Settings) -> str:
+    """The installed driver's version: its /proc file, else nvidia-smi.
+
+    EnvironmentProblem when neither says: every decision that depends on
+    the branch (features, manifest, same-branch restore) needs it.
+    """
+    why = []
+    try:
+        with open(settings.driver_version_file) as f:
+            version = parse_nvrm(f.read(4096))
+        if version:
+            return version
+        why.append(f"{settings.driver_version_file}: no NVRM version line")
+    except OSError as exc:
+        why.append(f"{settings.driver_version_file}: {exc.strerror or exc}")
+    smi = settings.tool("nvidia_smi")
+    result = host.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], 30)
+    lines = [x.strip() for x in result.stdout.splitlines() if x.strip()]
+    if result.ok and lines and re.fullmatch(r"\d+\.\d+(?:\.\d+)?", lines[0]):
+        return lines[0]
+    if result.timed_out:
+        why.append("nvidia-smi timed out")
+    else:
+        said = (result.stderr or result.stdout).strip()
+        why.append(f"nvidia-smi: {said or f'exit {result.returncode}'}")
+    raise EnvironmentProblem("NVIDIA driver version unknown (" + "; ".join(why) + ")")
+
+
 def format_device_map(device_map: dict[str, str]) -> str:
     return ",".join(f"{old}={new}" for old, new in device_map.items())
 
@@ -47,53 +99,23 @@ class CudaCheckpointCLI:
 
     def __init__(self, host: Host, settings: Settings, features: Features | None = None):
         self.host = host
+        self.settings = settings
         self.path = settings.tool("cuda_checkpoint")
         self.timeout = settings.call_timeout_s
-        self.cache = Path(settings.state_dir) / "features.json"
         self._features = features
         self._probe = threading.Lock()
 
     @property
     def features(self) -> Features:
-        # Engine threads all ask at once: probe once. Every hook invocation is
-        # a new process, so the answer is also kept on disk for this binary.
+        # Engine threads all ask at once: read the driver once per process.
+        # A failure is raised each time, never kept: the next call reads again.
         with self._probe:
             if self._features is None:
-                self._features = self._cached() or self._probe_help()
+                if not os.access(self.path, os.X_OK):
+                    raise EnvironmentProblem(
+                        f"cuda-checkpoint not usable at {self.path}: not an executable file")
+                self._features = features_for(driver_version(self.host, self.settings))
             return self._features
-
-    def _key(self) -> list[object] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return [self.path, st.st_mtime_ns, st.st_size, st.st_ino]
-
-    def _cached(self) -> Features | None:
-        key = self._key()
-        data = read_json(self.cache)
-        if key is None or not isinstance(data, dict) or data.get("key") != key:
-            return None
-        try:
-            return Features(**data["features"])
-        except (KeyError, TypeError):
-            return None
-
-    def _probe_help(self) -> Features:
-        result = self.host.run([self.path, "--help"], timeout=min(self.timeout, 30))
-        text = result.stdout + result.stderr
-        if result.returncode == 127 or not text.strip():
-            raise EnvironmentProblem(
-                f"cuda-checkpoint not usable at {self.path}: "
-                f"{result.stderr.strip() or 'no --help output'}"
-            )
-        features = parse_help(text)
-        key = self._key()
-        if key is not None:
-            with contextlib.suppress(OSError):
-                self.cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                write_json_atomic(self.cache, {"key": key, "features": asdict(features)})
-        return features
 
     def _call(self, pid: int, action: str, args: list[str], timeout: float | None = None) -> str:
         result = self.host.run([self.path, *args, "--pid", str(pid)], timeout or self.timeout)
@@ -115,7 +137,9 @@ class CudaCheckpointCLI:
         self._need("get_state", "--get-state (driver R555 or newer)")
         out = self._call(pid, "get-state", ["--get-state"]).strip()
         if out not in STATES:
-            raise ToolError(pid, "get-state", 0, f"unexpected state {out!r}")
+            # A word we do not know is still a CUDA process answering: never
+            # "not CUDA", never a state to act on.
+            raise ToolError(pid, "get-state", 0, f"unexpected state {out!r}", cuda=True)
         return out
 
     def get_restore_tid(self, pid: int) -> int:
