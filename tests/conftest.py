@@ -10,15 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cudahook.core.backends.cli import CudaCheckpointCLI
 
+from cudahook.core.backends.cli import CudaCheckpointCLI
 from cudahook.core.engine import Engine
 from cudahook.platform.host import Host
 from cudahook.sim.lab import SimLab
 
 from .sandbox import Sandbox
 
-DRIVERS = [550, 555, 570, 580]
+DRIVERS = [550, 555, 570, 580, 590]
 REPO = Path(__file__).resolve().parents[1]
 
 # The suite never touches the node (tests/sandbox.py). Entered when pytest
