@@ -133,18 +133,7 @@ def uninstall(args: argparse.Namespace) -> int:
         print(f"nothing installed at {prefix} (no journal at {j.path})")
         return 0
     rest = others(root, prefix)
-    skip: set[str] = set()
-    if rest:
-        heir = rest[0]
-        theirs = {e["path"] for e in heir.entries()}
-        for e in j.entries():
-            if e["group"] == "install" and any(e["path"] == str(paths.at(p, root))
-                                               for p in SHARED):
-                skip.add(e["path"])
-                print(f"kept {e['path']}: the installation at {heir.prefix} uses it"
-                      + (" (now journaled there)" if e["path"] not in theirs else ""))
-                if not dry and e["path"] not in theirs:
-                    heir._save([*heir.entries(), e])
+    skip = _hand_over(j, rest, root, dry)
     criu_owned = [d for d in j.owned() if Path(d) == prefix / "criu"]
     if args.keep_criu:
         skip |= {e["path"] for e in j.entries() if e["group"] == CRIU_GROUP}
@@ -181,11 +170,57 @@ def uninstall(args: argparse.Namespace) -> int:
         if not dry:
             shutil.rmtree(d, ignore_errors=True)
     _remove_prefix(prefix, marker, args.keep_criu and criu_owned, dry)
+    if not dry:  # what is left was handed over or kept: this installation is gone
+        j._write({"entries": [], "owned": []})
     log = paths.at(paths.LOG_FILE, root)
     if log.exists():
         print(f"kept {log}: the record of past checkpoints and restores (remove it and "
               f"{log.name}.* by hand when no longer needed)")
     return 0
+
+
+def _hand_over(j: Journal, rest: list[Journal], root: str, dry: bool) -> set[str]:
+    """What another installation still needs from this one, made its own.
+
+    An installation made over this one (--force) journaled this one's files
+    as what to put back: it now puts back what was there before either.
+    Shared files (configuration, log rotation) stay for it and are journaled
+    there. Returns the paths this uninstall must leave as they are.
+    """
+    skip: set[str] = set()
+    shared = {str(paths.at(p, root)) for p in SHARED}
+    for other in rest:
+        theirs = other.entries()
+        changed = False
+        for mine in j.entries():
+            if mine["path"] in skip:
+                continue
+            for e in theirs:
+                if e["path"] == mine["path"] and _before_sha(e) == mine.get("after_sha"):
+                    e.update(before=mine["before"], mode=mine.get("mode"),
+                             created_dirs=mine.get("created_dirs", []))
+                    skip.add(mine["path"])
+                    changed = True
+                    print(f"kept {mine['path']}: the installation at {other.prefix} replaced "
+                          "it and now puts back what was there before either")
+            if (mine["path"] not in skip and mine["group"] == "install"
+                    and mine["path"] in shared):
+                skip.add(mine["path"])
+                if all(e["path"] != mine["path"] for e in theirs):
+                    theirs.append(mine)
+                    changed = True
+                print(f"kept {mine['path']}: the installation at {other.prefix} uses it")
+        if changed and not dry:
+            other._save(theirs)
+    return skip
+
+
+def _before_sha(entry: dict) -> str | None:  # type: ignore[type-arg]
+    import base64
+    import hashlib
+
+    before = entry.get("before")
+    return None if before is None else hashlib.sha256(base64.b64decode(before)).hexdigest()
 
 
 def _remove_prefix(prefix: Path, marker: bool, keep_criu: bool | list[str], dry: bool) -> None:

@@ -136,8 +136,8 @@ class Journal:
     def _write(self, data: dict) -> None:  # type: ignore[type-arg]
         if not data["entries"] and not data["owned"]:
             self.path.unlink(missing_ok=True)
-            for d in (self.path.parent, self.path.parent.parent, self.path.parent.parent.parent):
-                if d == self.root:
+            for d in self.path.parents:  # the directories it made, when empty
+                if d == self.root or self.root not in d.parents:
                     break
                 try:
                     d.rmdir()
