@@ -308,7 +308,6 @@ class Store:
             elif (d / f"{cid}.json").exists():
                 continue
             if not _older(p, cutoff):
-                live.add(cid)
                 continue
             self.delete(cid)
             with contextlib.suppress(OSError):
