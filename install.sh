@@ -60,7 +60,7 @@ while (($#)); do
         --dev) DEV=1; shift ;;
         --dry-run) DRY=--dry-run; shift ;;
         --uninstall) UNINSTALL=1; shift ;;
-        -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) usage "unknown option: $1 (see --help)" ;;
     esac
 done
