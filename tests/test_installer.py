@@ -333,3 +333,15 @@ def test_logrotate_accepts_the_rule_and_rotates(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "log/cudahook.log.1").read_bytes().count(b"\n") == 10
     assert log.exists() and log.stat().st_size == 0 and log.stat().st_mode & 0o777 == 0o600
+
+
+def test_uninstall_dry_run_changes_nothing(node: Path) -> None:
+    a, b = node / "opt/cudahook", node / "opt/other"
+    install(node, a, *RUNTIMES)
+    install(node, b, *RUNTIMES, "--force")
+    (node / "run/cudahook").mkdir(parents=True)
+    before = tree(node)
+    for prefix in (a, b):
+        rc, out, _ = run(node, "uninstall", prefix, "--dry-run")
+        assert rc == 0 and "would remove" in out
+        assert tree(node) == before
