@@ -207,8 +207,13 @@ class Store:
         `cudahook status`). The lock file goes while held: a hook that was
         waiting on it finds it unlinked once it gets it, and starts over on
         a new one (see _lock), so two writers are never in at once."""
+        self._delete(container_id, wait=True)
+
+    def _delete(self, container_id: str, *, wait: bool) -> bool:
         path = self.lock_path(container_id)
-        fd = _lock(path)
+        fd = _lock(path, wait=wait)
+        if fd is None:
+            return False
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.record_path(container_id))
@@ -216,6 +221,7 @@ class Store:
                 os.unlink(path)
         finally:
             os.close(fd)
+        return True
 
     def records(self) -> list[dict[str, Any]]:
         d = self.root / "containers"
@@ -309,7 +315,11 @@ class Store:
                 continue
             if not _older(p, cutoff):
                 continue
-            self.delete(cid)
+            # Never waits: a hook busy with that container has a reason to be,
+            # and the hooks prune right after a checkpoint, which must end.
+            if not self._delete(cid, wait=False):
+                live.add(cid)
+                continue
             with contextlib.suppress(OSError):
                 mark("gpu", cid, on=False)
             removed += 1
@@ -335,16 +345,20 @@ def _older(path: Path, cutoff: float) -> bool:
         return False
 
 
-def _lock(path: Path) -> int:
+def _lock(path: Path, *, wait: bool = True) -> int | None:
     """An fd holding the lock file `path`, exclusively. The file can be
     unlinked by its holder (Store.delete): a waiter that then gets the lock
     of an unlinked file holds nothing anyone else will ever ask for, so it
     checks that `path` still names the file it locked and otherwise starts
-    over with the file now there."""
+    over with the file now there. Without `wait`, None when it is held."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                return None
             try:
                 same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

@@ -345,6 +345,20 @@ def test_prune_forgets_gone_containers_after_the_retention(
         init.wait()
 
 
+def test_prune_never_waits_for_a_held_lock(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(paths.ROOT_ENV, str(tmp_path / "node"))
+    s = Store(tmp_path / "state")
+    s.update("crashed", pid=999999999, pid_start=1)
+    s.remember("crashed", "checkpoint", {"ok": True})
+    with s.locked("crashed"):  # a hook busy with it
+        t0 = time.monotonic()
+        assert s.prune(0, now=time.time() + 10) == 0
+        assert time.monotonic() - t0 < 2
+    assert s.load("crashed") is not None and "crashed" in s.history()
+    assert s.prune(0, now=time.time() + 10) == 2  # free now: record and results go
+
+
 def test_history_is_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store, "HISTORY_MAX", 3)
     s = Store(tmp_path)
@@ -360,8 +374,8 @@ import sys
 from cudahook import store
 lock = store._lock
 
-def held(path):  # Store.delete's lock, held until the test says go
-    fd = lock(path)
+def held(path, **kw):  # Store.delete's lock, held until the test says go
+    fd = lock(path, **kw)
     print("held", flush=True)
     sys.stdin.readline()
     return fd
