@@ -61,10 +61,10 @@ def test_concurrent_writers_rotate_once_and_keep_every_line_whole(tmp_path: Path
     names = sorted(os.listdir(tmp_path))
     assert names in (["cudahook.log", "cudahook.log.1"], ["cudahook.log.1"]), names
     seen = lines(log) + lines(tmp_path / "cudahook.log.1")  # no torn line: all parse
-    line_bytes = max(len(json.dumps(e)) + 1 for e in seen)
-    # Each file is at most the cap plus the lines racing the rename.
+    # Each file is at most the cap plus the lines the other writers append
+    # while one renames it (a handful, or more when the renamer is descheduled).
     for name in names:
-        assert (tmp_path / name).stat().st_size <= cap + writers * line_bytes
+        assert (tmp_path / name).stat().st_size <= 2 * cap
     # Only whole older generations go: what is kept of each writer's lines
     # is its newest ones, without gaps; and a full generation is kept.
     for w in range(writers):
