@@ -30,7 +30,7 @@ WATCHED = [
     "/usr/share/containers/oci/hooks.d/50-cudahook-create.json",
     "/usr/share/containers/oci/hooks.d/50-cudahook-poststop.json",
     "/usr/local/bin/cudahook", "/usr/local/bin/cudahook-sim", "/usr/local/bin/cudahook-runtime",
-    "/var/lib/cudahook/journal.json",
+    "/var/lib/cudahook/journal.json", "/etc/logrotate.d/cudahook",
 ]
 
 
@@ -63,7 +63,7 @@ def sh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
 
 
-DIRS = ["/etc/criu", "/etc/docker", "/etc/cudahook", "/var/lib/cudahook",
+DIRS = ["/etc/criu", "/etc/docker", "/etc/cudahook", "/var/lib/cudahook", "/etc/logrotate.d",
         "/etc/systemd/system/containerd.service.d", "/usr/share/containers/oci/hooks.d"]
 
 
