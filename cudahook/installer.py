@@ -83,7 +83,10 @@ def others(root: str, prefix: Path) -> list[Journal]:
 
 
 def preflight(root: str, prefix: Path, force: bool) -> None:
-    found = others(root, prefix)
+    # An installation already here (made with --force, say) is repaired or
+    # updated by running install.sh again: no new conflict.
+    mine = Journal(root, prefix)
+    found = [] if mine.entries() or mine.owned() else others(root, prefix)
     if found and not force:
         at = found[0].prefix
         raise Refused(f"cudahook is already installed at {at}; uninstall it first "

@@ -118,6 +118,7 @@ def test_force_records_what_it_replaced_and_uninstall_puts_it_back(node: Path) -
     daemon = json.loads((node / "etc/docker/daemon.json").read_text())
     assert daemon["runtimes"]["cudahook"]["path"] == f"{b}/libexec/cudahook-runtime"
     assert len(journal.Journal.all(node)) == 2
+    install(node, b, "--runtime", "docker")  # running it again there needs no --force
 
     rc, _out, _ = run(node, "uninstall", b)
     assert rc == 0
