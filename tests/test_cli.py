@@ -122,3 +122,21 @@ def test_unknown_driver_version_refuses_the_checkpoint(node: Node, tmp_path) -> 
     one_line_error(r, 5, "NVIDIA driver version unknown")
     assert cli("state", "--pid", str(node.lab.status("a")["pid"]),
                config=write_config(node)).stdout.split()[1] == "running"
+
+
+def test_common_options_go_before_or_after_the_command(node: Node) -> None:
+    cfg = write_config(node)
+    other = node.lab.root / "bad.yaml"
+    other.write_text("call_timeout_s: -1\n")
+    for args in (["--json", "--config", cfg, "gpus"], ["gpus", "--json", "--config", cfg],
+                 ["--config", cfg, "gpus", "--json"], ["--json", "gpus", "--config", cfg]):
+        r = subprocess.run([sys.executable, "-m", "cudahook", *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (args, r.stderr)
+        assert [g["uuid"] for g in json.loads(r.stdout)] == node.lab.uuids
+    r = cli("status", "--json", "--no-live", config=cfg)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"containers": []}
+    # Given after the command, --config wins over one given before it.
+    r = subprocess.run([sys.executable, "-m", "cudahook", "--config", cfg, "state", "--pid", "1",
+                        "--config", str(other)], capture_output=True, text=True, timeout=60)
+    one_line_error(r, 3, "call_timeout_s")

@@ -314,8 +314,8 @@ def test_poststop_forgets_the_container_and_its_stale_sockets(hook: Hook) -> Non
         for s in held:
             s.close()
     assert sorted(os.listdir(ctl)) == ["cuda-vmm-9.sock", "data", "other.sock"]
-    # c's record is gone; its lock file stays (see Store.delete).
-    assert sorted(os.listdir(hook.state_dir / "containers")) == ["c.lock", "d.json", "d.lock"]
+    # c's record is gone, and its lock file with it (see Store.delete).
+    assert sorted(os.listdir(hook.state_dir / "containers")) == ["d.json", "d.lock"]
     assert [e["event"] for e in hook.events()][-1] == "oci-poststop"
     assert hook.events()[-1]["container"] == "c"
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from cudahook.platform import paths, store
 from cudahook.platform.errors import UsageError
+from cudahook.platform.host import Host
 from cudahook.platform.store import Store, check_id, read_json, write_json_atomic
 
 PKG = str(Path(__file__).resolve().parent.parent)
@@ -85,8 +87,8 @@ def test_delete(tmp_path: Path) -> None:
     s.delete("c")
     s.delete("c")  # twice: nothing there, no error
     assert s.load("c") is None and s.load("d") == {"id": "d", "pid": 6}
-    # The lock file outlives the record (see Store.delete).
-    assert sorted(os.listdir(tmp_path / "containers")) == ["c.lock", "d.json", "d.lock"]
+    # The lock file goes with the record (see Store.delete and _lock).
+    assert sorted(os.listdir(tmp_path / "containers")) == ["d.json", "d.lock"]
 
 
 # -- ids ----------------------------------------------------------------------------
@@ -290,19 +292,132 @@ def test_remember_and_history(tmp_path: Path) -> None:
                            "b": {"checkpoint": {"ok": True}}}
 
 
-def test_prune_runs_removes_only_old_files(tmp_path: Path) -> None:
+def test_prune_runs_keeps_live_criu_runs_and_young_ones(tmp_path: Path) -> None:
     s = Store(tmp_path)
     s.prune_runs()  # no runs directory yet
-    old, new = s.run_path("1-1"), s.run_path("2-2")
-    other = tmp_path / "runs" / "3-3.vmm"
-    for p in (old, new):
-        p.write_text("{}")
-    other.mkdir()
-    stale = time.time() - 7200
-    os.utime(old, (stale, stale))
-    os.utime(other, (stale, stale))
-    s.prune_runs(max_age_s=3600)
-    assert not old.exists()
-    assert new.exists() and other.exists()
-    s.prune_runs(max_age_s=0.0 - 10)  # everything is "old" now
-    assert not new.exists()
+    criu = subprocess.Popen(["sleep", "60"])  # a CRIU process still running
+    try:
+        live_key = f"{criu.pid}-{Host().start_time(criu.pid)}"
+        live, live_vmm = s.run_path(live_key), s.run_path(live_key).with_suffix(".vmm")
+        reused = s.run_path(f"{criu.pid}-1")  # same PID, another start: another run
+        dead, dead_vmm = s.run_path("999999999-5"), s.run_path("999999999-5").with_suffix(".vmm")
+        for p in (live, reused, dead):
+            p.write_text("{}")
+        for d in (live_vmm, dead_vmm):
+            d.mkdir()
+            (d / "cuda-vmm.state").write_text("x")
+        stale = time.time() - 7200
+        for p in (reused, dead, dead_vmm):
+            os.utime(p, (stale, stale))
+        assert s.prune_runs(grace_s=0) == 3  # the live run stays, however old
+        assert sorted(os.listdir(tmp_path / "runs")) == sorted([live.name, live_vmm.name])
+    finally:
+        criu.kill()
+        criu.wait()
+    assert s.prune_runs(grace_s=3600) == 0  # its CRIU is gone, but recently written
+    os.utime(live, (stale, stale))
+    os.utime(live_vmm, (stale, stale))
+    assert s.prune_runs(grace_s=3600) == 2 and os.listdir(tmp_path / "runs") == []
+
+
+def test_prune_forgets_gone_containers_after_the_retention(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(paths.ROOT_ENV, str(tmp_path / "node"))  # its GPU marks go too
+    s = Store(tmp_path / "state")
+    tmp_path = tmp_path / "state"
+    init = subprocess.Popen(["sleep", "60"])
+    try:
+        s.update("live", pid=init.pid, pid_start=Host().start_time(init.pid))
+        s.remember("live", "checkpoint", {"ok": True})
+        s.update("crashed", pid=999999999, pid_start=1)  # no poststop ran
+        s.remember("crashed", "checkpoint", {"ok": True})
+        s.remember("stopped", "checkpoint", {"ok": True})  # poststop ran: no record
+        with s.locked("orphan"):  # a lock with no record
+            pass
+        assert s.prune(3600) == 0  # all younger than the retention
+        later = time.time() + 7200
+        # crashed (record), the locks of orphan and stopped, the histories of both gone
+        assert s.prune(3600, now=later) == 5
+        assert sorted(os.listdir(tmp_path / "containers")) == ["live.json", "live.lock"]
+        assert list(s.history()) == ["live"]  # a live container keeps its results
+    finally:
+        init.kill()
+        init.wait()
+
+
+def test_prune_never_waits_for_a_held_lock(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(paths.ROOT_ENV, str(tmp_path / "node"))
+    s = Store(tmp_path / "state")
+    s.update("crashed", pid=999999999, pid_start=1)
+    s.remember("crashed", "checkpoint", {"ok": True})
+    with s.locked("crashed"):  # a hook busy with it
+        t0 = time.monotonic()
+        assert s.prune(0, now=time.time() + 10) == 0
+        assert time.monotonic() - t0 < 2
+    assert s.load("crashed") is not None and "crashed" in s.history()
+    assert s.prune(0, now=time.time() + 10) == 2  # free now: record and results go
+
+
+def test_history_is_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store, "HISTORY_MAX", 3)
+    s = Store(tmp_path)
+    for i in range(6):
+        s.remember(f"c{i}", "checkpoint", {"ok": True})
+        os.utime(tmp_path / "history" / f"c{i}.json", (1000 + i, 1000 + i))
+    s.prune(10**9, now=2000)
+    assert sorted(s.history()) == ["c3", "c4", "c5"]
+
+
+UNLINKER = """
+import sys
+from cudahook.platform import store
+lock = store._lock
+
+def held(path, **kw):  # Store.delete's lock, held until the test says go
+    fd = lock(path, **kw)
+    print("held", flush=True)
+    sys.stdin.readline()
+    return fd
+
+store._lock = held
+store.Store(sys.argv[1]).delete("c")  # unlinks the lock file while holding it
+print("deleted", flush=True)
+"""
+
+WAITER = """
+import sys, time
+from cudahook.platform.store import Store
+s = Store(sys.argv[1])
+with s.locked("c"):
+    print("in", time.time(), flush=True)
+    time.sleep(1.0)
+    print("out", time.time(), flush=True)
+"""
+
+
+def test_a_lock_unlinked_while_waited_on_never_lets_two_in(tmp_path: Path) -> None:
+    """A waits on the lock B holds; B deletes the container (lock file
+    unlinked) and lets go, and C takes a new lock file: A and C must never
+    both be in (A must not trust the unlinked file it was waiting on)."""
+    py = sys.executable
+    b = subprocess.Popen([py, "-c", UNLINKER, str(tmp_path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert b.stdout is not None and b.stdin is not None
+    assert b.stdout.readline() == "held\n"
+    a = subprocess.Popen([py, "-c", WAITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # A is blocked on B's lock file
+    b.stdin.write("\n")
+    b.stdin.flush()
+    assert b.stdout.readline() == "deleted\n"
+    # A now gets the unlinked file's lock; C takes the new lock file at once.
+    c = subprocess.Popen([py, "-c", WAITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert b.wait(10) == 0
+    spans = []
+    for p in (a, c):
+        out, _ = p.communicate(timeout=20)
+        assert p.returncode == 0
+        lines = [line.split() for line in out.splitlines()]
+        spans.append((float(lines[0][1]), float(lines[1][1])))
+    (a_in, a_out), (c_in, c_out) = sorted(spans)
+    assert a_out <= c_in or c_out <= a_in, spans  # never both inside

@@ -24,9 +24,22 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="cudahook", description="Checkpoint and restore CUDA processes and "
                 "GPU containers around NVIDIA cuda-checkpoint.")
-    p.add_argument("--config", help="configuration file (default /etc/cudahook/config.yaml)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    # The common options go before or after the command alike. The command's
+    # copies default to SUPPRESS, so that leaving them out there keeps what
+    # was given before the command.
+    for parser, default in ((p, None), (common := _Parser(add_help=False), argparse.SUPPRESS)):
+        parser.add_argument("--config", default=default,
+                            help="configuration file (default /etc/cudahook/config.yaml)")
+        parser.add_argument("--json", action="store_true",
+                            default=False if default is None else default,
+                            help="machine-readable output")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    add = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return add(name, parents=[common], **kw)  # type: ignore[no-any-return]
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     def targets(sp: argparse.ArgumentParser) -> None:
         g = sp.add_mutually_exclusive_group(required=True)
@@ -59,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--no-live", action="store_true",
                     help="do not query process states (no cuda-checkpoint calls)")
     doc = sub.add_parser("doctor", help="check this node and explain problems")
-    doc.add_argument("--root", default="/", help=argparse.SUPPRESS)
+    doc.add_argument("--root", default=None, help=argparse.SUPPRESS)
     cf = sub.add_parser("configure", help="register cudahook with a container runtime")
     cf.add_argument("--runtime", required=True,
                     choices=("runc", "containerd", "docker", "podman", "crio"))
@@ -68,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--default", action="store_true", help="docker: make it the default runtime")
     cf.add_argument("--hooks-dir", help="where the hook executables are "
                     "(default: PREFIX/libexec of this installation)")
-    cf.add_argument("--root", default="/", help=argparse.SUPPRESS)
+    cf.add_argument("--root", default=None, help=argparse.SUPPRESS)
     dm = sub.add_parser("demo", help="checkpoint and restore a simulated GPU container")
     dm.add_argument("--processes", action="store_true",
                     help="the process-level demo (no runc/CRIU needed)")
@@ -99,11 +112,14 @@ def run(args: argparse.Namespace) -> int:
     if args.cmd == "configure":
         from pathlib import Path
 
+        from cudahook.platform import paths
+
         from .configure import ConfigureError, configure
 
         hooks_dir = Path(args.hooks_dir) if args.hooks_dir else Path(sys.prefix).parent / "libexec"
+        root = args.root if args.root is not None else str(paths.root())
         try:
-            lines = configure(args.runtime, hooks_dir, root=args.root, default=args.default,
+            lines = configure(args.runtime, hooks_dir, root=root, default=args.default,
                               dry_run=args.dry_run, revert=args.revert)
         except ConfigureError as exc:
             raise UsageError(str(exc)) from None

@@ -19,13 +19,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cudahook.platform.paths import CONTAINERD_DROPIN, CRIU_CONF, DOCKER_JSON, HOOKS_D
+
+from . import registrations
 from .journal import Change, Journal
 
 RUNTIMES = ("runc", "containerd", "docker", "podman", "crio")
-CRIU_CONF = "/etc/criu/runc.conf"
-DOCKER_JSON = "/etc/docker/daemon.json"
-CONTAINERD_DROPIN = "/etc/systemd/system/containerd.service.d/50-cudahook.conf"
-HOOKS_D = "/usr/share/containers/oci/hooks.d"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -41,18 +40,25 @@ class Plan:
 
 def _criu(j: Journal, hooks_dir: Path) -> Change:
     path = j.at(CRIU_CONF)
-    line = f"action-script {hooks_dir / 'cudahook-criu-action'}"
-    text = path.read_text() if path.exists() else ""
+    script = str(hooks_dir / registrations.ACTION_NAME)
+    line = f"action-script {script}"
+    data = path.read_bytes() if path.exists() else b""
+    # One cudahook action script at a time: another installation's (replaced
+    # by an install --force, and put back by its uninstall) would checkpoint
+    # the same processes a second time.
+    data = registrations.strip("criu", data, lambda exe: exe != script) or b""
+    text = data.decode(errors="surrogateescape")
     if line in text.splitlines():
-        return Change(path, text.encode())
+        return Change(path, data)
     sep = "" if not text or text.endswith("\n") else "\n"
-    return Change(path, f"{text}{sep}# cudahook: CUDA checkpoint around CRIU dumps\n{line}\n".encode())
+    return Change(path, f"{text}{sep}{registrations.CRIU_COMMENT}\n{line}\n"
+                  .encode(errors="surrogateescape"))
 
 
 def plan(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool = False) -> Plan:
     if runtime not in RUNTIMES:
         raise ConfigureError(f"unknown runtime {runtime!r} (one of {', '.join(RUNTIMES)})")
-    j = Journal(root)
+    j = Journal(root, hooks_dir.parent)
     p = Plan([_criu(j, hooks_dir)])
     wrapper = hooks_dir / "cudahook-runtime"
     hook = hooks_dir / "cudahook-oci-hook"
@@ -105,8 +111,9 @@ def plan(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool = Fals
 
 def configure(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool = False,
               dry_run: bool = False, revert: bool = False) -> list[str]:
-    """Apply (or revert) one runtime's registration; lines to print."""
-    j = Journal(root)
+    """Apply (or revert) one runtime's registration; lines to print. The
+    journal is that of the installation whose hooks are in `hooks_dir`."""
+    j = Journal(root, hooks_dir.parent)
     out: list[str] = []
     if revert:
         groups = {runtime}

@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cudahook.admin import registrations
 from cudahook.hooks.context import Context
+from cudahook.platform import paths
 
 from .journal import Journal
 
@@ -36,9 +38,10 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in m.groups() if x is not None) if m else ()
 
 
-def run_checks(ctx: Context, root: str = "/") -> list[Check]:
+def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
     checks: list[Check] = []
     host = ctx.host
+    root = str(root if root is not None else paths.root())
     j = Journal(root)
 
     runc = shutil.which("runc")
@@ -98,6 +101,7 @@ def run_checks(ctx: Context, root: str = "/") -> list[Check]:
     checks += _gpu_checks(ctx)
 
     checks += _registrations(j)
+    checks += _dangling(j.root)
     checks.append(_state_dir(ctx))
     return checks
 
@@ -136,18 +140,21 @@ def _gpu_checks(ctx: Context) -> list[Check]:
 
 def _registrations(j: Journal) -> list[Check]:
     out = []
-    conf = j.at("/etc/criu/runc.conf")
+    conf = j.at(paths.CRIU_CONF)
     lines = conf.read_text().splitlines() if conf.exists() else []
     scripts = [x.split(None, 1)[1] for x in lines if x.startswith("action-script ")]
     ours = [s for s in scripts if s.endswith("cudahook-criu-action")]
     if ours and all(os.access(s, os.X_OK) for s in ours):
         out.append(Check("runc/criu registration", "ok", f"action-script {ours[0]}"))
     else:
+        bad = [s for s in ours if not os.access(s, os.X_OK)]
         out.append(Check("runc/criu registration", "fail",
-                         "no cudahook action-script in /etc/criu/runc.conf" if not ours
-                         else f"registered script is not executable: {ours[0]}",
-                         "cudahook configure --runtime runc"))
-    daemon = j.at("/etc/docker/daemon.json")
+                         f"no cudahook action-script in {conf}" if not ours
+                         else f"registered script is not executable: {bad[0]}",
+                         "cudahook configure --runtime runc" if not ours
+                         else f"re-run install.sh to repair the installation, or remove the "
+                         f"line 'action-script {bad[0]}' from {conf}"))
+    daemon = j.at(paths.DOCKER_JSON)
     if daemon.exists():
         try:
             cfg: dict[str, Any] = json.loads(daemon.read_text())
@@ -161,17 +168,29 @@ def _registrations(j: Journal) -> list[Check]:
                              "docker checkpoint needs \"experimental\": true"))
         except ValueError:
             out.append(Check("docker registration", "warn", f"{daemon} is not valid JSON"))
-    dropin = j.at("/etc/systemd/system/containerd.service.d/50-cudahook.conf")
+    dropin = j.at(paths.CONTAINERD_DROPIN)
     if shutil.which("containerd") or dropin.exists():
         out.append(Check("containerd registration", "ok" if dropin.exists() else "warn",
                          "runc wrapper on containerd's PATH" if dropin.exists() else "not registered",
                          "" if dropin.exists() else "cudahook configure --runtime containerd"))
-    hooks_d = j.at("/usr/share/containers/oci/hooks.d/50-cudahook-create.json")
+    hooks_d = j.at(f"{paths.HOOKS_D}/50-cudahook-create.json")
     if shutil.which("podman") or shutil.which("crio") or hooks_d.exists():
         out.append(Check("podman/CRI-O registration", "ok" if hooks_d.exists() else "warn",
                          "hooks.d definitions present" if hooks_d.exists() else "not registered",
                          "" if hooks_d.exists() else "cudahook configure --runtime podman"))
     return out
+
+
+def _dangling(root: Path) -> list[Check]:
+    """A registration naming a missing executable breaks the runtime for every
+    container (CRIU fails each checkpoint whose action script is gone)."""
+    found = registrations.dangling(root)
+    if not found:
+        return [Check("dangling registrations", "ok",
+                      "every registration names an existing executable")]
+    return [Check("dangling registration", "fail",
+                  f"{d.path} names {d.target}, which is missing or not executable", d.fix)
+            for d in found]
 
 
 def _state_dir(ctx: Context) -> Check:

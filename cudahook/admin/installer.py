@@ -1,14 +1,19 @@
 """What install.sh does once the virtual environment exists: place the hook
-executables, the configuration and the commands, register runtimes, and
-undo all of it on --uninstall. Every file it touches goes through the
-journal, so uninstall puts the system back byte for byte.
+executables, the configuration, the log rotation rule and the commands,
+register runtimes, and undo all of it on --uninstall. Every file it touches
+outside the prefix goes through the prefix's own journal, so uninstall puts
+the system back byte for byte and touches nothing another installation did.
 Standard library only (install.sh may run it with the system Python).
+
+Exit codes: 0 done; 1 failed; 2 refused (bad arguments, or cudahook already
+installed at another prefix without --force): nothing was changed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,11 +22,33 @@ from cudahook.platform import paths
 from . import configure, hookfiles
 from .journal import Change, Journal
 
+MARKER = ".installed-by-cudahook"  # install.sh made the prefix: uninstall removes it whole
+CRIU_GROUP = "criu-binary"
+# Used by every installation on the node alike: an uninstall while another
+# installation remains hands these over to it instead of removing them.
+SHARED = (paths.CONFIG, paths.LOGROTATE)
 
-def install_changes(prefix: Path, python: str, root: str, source: Path) -> list[Change]:
-    j = Journal(root)
+
+class Refused(Exception):
+    pass
+
+
+def logrotate_rule(log_file: Path) -> str:
+    # Debian's conventions (/etc/logrotate.d, weekly, compressed, one
+    # generation uncompressed). `maxsize` rotates early on a busy node at
+    # logrotate's daily run; eventlog.log's own size cap is the backstop.
+    # Every hook opens the log afresh for each line: `create`, no copytruncate.
+    return (f"# cudahook: rotate its structured log (installed by install.sh)\n"
+            f"{log_file} {{\n"
+            "\tweekly\n\tmaxsize 8M\n\trotate 4\n\tcompress\n\tdelaycompress\n"
+            "\tmissingok\n\tnotifempty\n\tcreate 0600 root root\n}\n")
+
+
+def install_changes(prefix: Path, python: str, root: str, source: Path,
+                    criu: str | None = None) -> list[Change]:
+    j = Journal(root, prefix)
     libexec = prefix / "libexec"
-    config = j.at("/etc/cudahook/config.yaml")
+    config = paths.at(paths.CONFIG, root)
     values = {"RUNC": hookfiles.real_runc(exclude=libexec / "runc-path"),
               "HOOK": str(libexec / "cudahook-oci-hook")}
     changes = [
@@ -32,48 +59,241 @@ def install_changes(prefix: Path, python: str, root: str, source: Path) -> list[
     if not config.exists():
         changes.append(Change(config, (source / "config" / "config.yaml").read_bytes(),
                               mode=0o644))
+    changes.append(Change(paths.at(paths.LOGROTATE, root),
+                          logrotate_rule(paths.at(paths.LOG_FILE, root)).encode(), mode=0o644))
     venv_bin = Path(python).parent
     for name, target in (("cudahook", venv_bin / "cudahook"),
                          ("cudahook-sim", venv_bin / "cudahook-sim"),
                          ("cudahook-runtime", libexec / "cudahook-runtime")):
-        changes.append(Change(j.at(f"/usr/local/bin/{name}"), None, symlink=str(target)))
+        changes.append(Change(j.at(f"{paths.BIN_DIR}/{name}"), None, symlink=str(target)))
     return changes
+
+
+def criu_link(root: str, target: str) -> Change | None:
+    """`criu` on PATH for the CRIU install.sh provided; None where a real
+    file (someone's own CRIU) is in the way."""
+    link = paths.at(f"{paths.CRIU_LINK_DIR}/criu", root)
+    if link.exists() and not link.is_symlink():
+        return None
+    return Change(link, None, symlink=target)
+
+
+def others(root: str, prefix: Path) -> list[Journal]:
+    """Installations journaled at other prefixes."""
+    mine = Journal(root, prefix)
+    return [j for j in Journal.all(root) if j.path != mine.path]
+
+
+def preflight(root: str, prefix: Path, force: bool) -> None:
+    # An installation already here (made with --force, say) is repaired or
+    # updated by running install.sh again: no new conflict.
+    mine = Journal(root, prefix)
+    found = [] if mine.entries() or mine.owned() else others(root, prefix)
+    if found and not force:
+        at = found[0].prefix
+        raise Refused(f"cudahook is already installed at {at}; uninstall it first "
+                      f"(install.sh --uninstall --prefix {at}) or pass --force to install "
+                      "over it (uninstalling this one then puts it back)")
+
+
+def install(args: argparse.Namespace) -> int:
+    prefix = Path(args.prefix)
+    preflight(args.root, prefix, args.force)
+    j = Journal(args.root, prefix)
+    libexec_new = not (prefix / "libexec").exists()
+    changes = install_changes(prefix, args.python, args.root, Path(args.source))
+    diffs = j.apply("install", changes, dry_run=args.dry_run)
+    if args.criu_link:
+        link = criu_link(args.root, args.criu_link)
+        if link is None:
+            print(f"kept {paths.at(paths.CRIU_LINK_DIR + '/criu', args.root)}: not a link "
+                  f"cudahook made; the provided CRIU is {args.criu_link}")
+        else:
+            diffs += j.apply(CRIU_GROUP, [link], dry_run=args.dry_run)
+    for d in diffs:
+        print(d if args.dry_run else d.splitlines()[1].replace("+++ ", "installed "))
+    if not args.dry_run:
+        owned = [str(prefix / "libexec")] if libexec_new else []
+        owned += [str(Path(d)) for d in args.owns]
+        if owned:
+            j.own(*owned)
+    for rt in ["runc", *[r for r in args.runtime if r != "runc"]]:
+        for line in configure.configure(rt, prefix / "libexec", root=args.root,
+                                        default=args.default_runtime and rt == "docker",
+                                        dry_run=args.dry_run):
+            print(line)
+    return 0
+
+
+def uninstall(args: argparse.Namespace) -> int:
+    """Registrations first, then the files they name, then the directories.
+    Says what it kept and why."""
+    prefix = Path(args.prefix)
+    root = args.root
+    j = Journal(root, prefix)
+    dry = args.dry_run
+    verb = "would remove" if dry else "removed"
+    marker = (prefix / MARKER).exists()
+    if not j.path.exists() and not marker:
+        print(f"nothing installed at {prefix} (no journal at {j.path})")
+        return 0
+    rest = others(root, prefix)
+    skip = _hand_over(j, rest, root, dry)
+    criu_owned = [d for d in j.owned() if Path(d) == prefix / "criu"]
+    if args.keep_criu:
+        skip |= {e["path"] for e in j.entries() if e["group"] == CRIU_GROUP}
+    restored, kept = j.revert(None, dry_run=dry, skip=skip)
+    for path in restored:
+        print(f"{'would restore' if dry else 'restored'} {path}")
+    for line in kept:
+        print(f"kept {line}")
+    if args.keep_criu:
+        links = [e["path"] for e in j.entries() if e["group"] == CRIU_GROUP]
+        what = " and ".join([str(prefix / "criu"), *links]) if criu_owned or links else None
+        if what:
+            print(f"kept {what}: --keep-criu (no longer tracked by cudahook)")
+        if not dry:
+            j._save([e for e in j.entries() if e["group"] != CRIU_GROUP])
+            j.forget_owned(*criu_owned)
+    for d in j.owned():
+        if args.keep_criu and Path(d) == prefix / "criu":
+            continue
+        if os.path.lexists(d):
+            print(f"{verb} {d}")
+            if not dry:
+                shutil.rmtree(d, ignore_errors=True)
+        if not dry:
+            j.forget_owned(d)
+    for node_dir in (paths.STATE_DIR, paths.MARKS_DIR):
+        d = paths.at(node_dir, root)
+        if not d.exists():
+            continue
+        if rest:
+            print(f"kept {d}: the installation at {rest[0].prefix} uses it")
+            continue
+        print(f"{verb} {d}")
+        if not dry:
+            shutil.rmtree(d, ignore_errors=True)
+    _remove_prefix(prefix, marker, args.keep_criu and criu_owned, dry)
+    if not dry:  # what is left was handed over or kept: this installation is gone
+        j._write({"entries": [], "owned": []})
+    log = paths.at(paths.LOG_FILE, root)
+    if log.exists():
+        print(f"kept {log}: the record of past checkpoints and restores (remove it and "
+              f"{log.name}.* by hand when no longer needed)")
+    return 0
+
+
+def _hand_over(j: Journal, rest: list[Journal], root: str, dry: bool) -> set[str]:
+    """What another installation still needs from this one, made its own.
+
+    An installation made over this one (--force) journaled this one's files
+    as what to put back: it now puts back what was there before either.
+    Shared files (configuration, log rotation) stay for it and are journaled
+    there. Returns the paths this uninstall must leave as they are.
+    """
+    skip: set[str] = set()
+    shared = {str(paths.at(p, root)) for p in SHARED}
+    for other in rest:
+        theirs = other.entries()
+        changed = False
+        for mine in j.entries():
+            if mine["path"] in skip:
+                continue
+            for e in theirs:
+                if e["path"] == mine["path"] and _before_sha(e) == mine.get("after_sha"):
+                    e.update(before=mine["before"], mode=mine.get("mode"),
+                             created_dirs=mine.get("created_dirs", []))
+                    skip.add(mine["path"])
+                    changed = True
+                    print(f"kept {mine['path']}: the installation at {other.prefix} replaced "
+                          "it and now puts back what was there before either")
+            if (mine["path"] not in skip and mine["group"] == "install"
+                    and mine["path"] in shared):
+                skip.add(mine["path"])
+                if all(e["path"] != mine["path"] for e in theirs):
+                    theirs.append(mine)
+                    changed = True
+                print(f"kept {mine['path']}: the installation at {other.prefix} uses it")
+        if changed and not dry:
+            other._save(theirs)
+    return skip
+
+
+def _before_sha(entry: dict) -> str | None:  # type: ignore[type-arg]
+    import base64
+    import hashlib
+
+    before = entry.get("before")
+    return None if before is None else hashlib.sha256(base64.b64decode(before)).hexdigest()
+
+
+def _remove_prefix(prefix: Path, marker: bool, keep_criu: bool | list[str], dry: bool) -> None:
+    verb = "would remove" if dry else "removed"
+    if not prefix.is_dir():
+        return
+    if marker:
+        # install.sh made the prefix: all of it is cudahook's.
+        for entry in sorted(prefix.iterdir()):
+            if keep_criu and entry.name == "criu":
+                continue
+            if not dry:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        if keep_criu:
+            print(f"{verb} {prefix} except {prefix / 'criu'} (--keep-criu)")
+            return
+        print(f"{verb} {prefix}")
+        if not dry:
+            with_retry_rmdir(prefix)
+        return
+    left = sorted(p.name for p in prefix.iterdir())
+    if not left:
+        if not dry:
+            with_retry_rmdir(prefix)
+        return
+    print(f"kept {prefix} ({', '.join(left)}): it was there before cudahook was installed")
+
+
+def with_retry_rmdir(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="install.sh (cudahook installer)")
-    p.add_argument("action", choices=("install", "uninstall"))
-    p.add_argument("--prefix", required=True)
+    p.add_argument("action", choices=("check", "install", "uninstall"))
+    p.add_argument("--prefix", default=None)
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--root", default=os.environ.get(paths.ROOT_ENV) or "/")
     p.add_argument("--source", default=str(Path(__file__).resolve().parents[2]))
     p.add_argument("--runtime", action="append", default=[])
     p.add_argument("--default-runtime", action="store_true")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--keep-criu", action="store_true")
+    p.add_argument("--owns", action="append", default=[],
+                   help="a directory install.sh created in the prefix (removed on uninstall)")
+    p.add_argument("--criu-link", help="the CRIU install.sh provided: link it as criu on PATH")
     args = p.parse_args(argv)
-    j = Journal(args.root)
-    prefix = Path(args.prefix)
+    args.prefix = os.path.normpath(args.prefix or str(paths.at(paths.PREFIX, args.root)))
     try:
-        if args.action == "uninstall":
-            restored, kept = j.revert(None, dry_run=args.dry_run)
-            verb = "would restore" if args.dry_run else "restored"
-            for path in restored:
-                print(f"{verb} {path}")
-            for line in kept:
-                print(f"kept {line}")
+        if args.action == "check":
+            preflight(args.root, Path(args.prefix), args.force)
             return 0
-        changes = install_changes(prefix, args.python, args.root, Path(args.source))
-        for d in j.apply("install", changes, dry_run=args.dry_run):
-            print(d if args.dry_run else d.splitlines()[1].replace("+++ ", "installed "))
-        for rt in ["runc", *[r for r in args.runtime if r != "runc"]]:
-            for line in configure.configure(rt, prefix / "libexec", root=args.root,
-                                            default=args.default_runtime and rt == "docker",
-                                            dry_run=args.dry_run):
-                print(line)
+        if args.action == "uninstall":
+            return uninstall(args)
+        return install(args)
+    except Refused as exc:
+        print(f"install.sh: {exc}", file=sys.stderr)
+        return 2
     except (configure.ConfigureError, OSError) as exc:
         print(f"install.sh: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

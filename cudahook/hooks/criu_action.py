@@ -87,9 +87,17 @@ def run(ctx: Context, call: CriuCall) -> int:
                 init_pid=call.init_pid)
         rc = Exit.FAILED
     criu_run.finish(call.action, rc)
-    if call.action == "pre-dump":
-        ctx.store.prune_runs()
+    if call.action in ("pre-dump", "post-resume"):
+        housekeeping(ctx)
     return rc
+
+
+def housekeeping(ctx: Context) -> None:
+    """Keep the state directory (RAM) bounded: finished CRIU runs, and
+    containers gone without a poststop. Never fails the action."""
+    with contextlib.suppress(OSError, CudahookError):
+        ctx.store.prune_runs()
+        ctx.store.prune(ctx.settings.state_retention_s)
 
 
 # == checkpoint: pre-dump ======================================================

@@ -18,6 +18,11 @@ from cudahook.platform.store import mark
 from . import annotations as ann
 from . import oci
 
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 CREATE_STAGES = ("prestart", "createRuntime", "createContainer", "startContainer")
 STAGES = (*CREATE_STAGES, "poststart", "poststop")
 
@@ -100,4 +105,12 @@ def on_poststop(state: dict) -> int:  # type: ignore[type-arg]
     from cudahook.platform.eventlog import log
 
     log(settings.log_file, "oci-poststop", container=cid)
+    housekeeping(store, settings.state_retention_s)
     return Exit.OK
+
+
+def housekeeping(store: Any, retention_s: float) -> None:
+    """Forget containers gone without a poststop, and old results: the state
+    directory is RAM. Never fails the hook."""
+    with contextlib.suppress(OSError, CudahookError):
+        store.prune(retention_s)

@@ -47,6 +47,9 @@ class Settings:
     vmm_coordinator: str = "/usr/local/bin/snapshot-cuda-vmm"
     vmm_timeout_s: float = 300.0
     vmm_restore_before_unlock: bool = False
+    # How long a gone container's last results (and, when poststop never ran,
+    # its record) stay in the state directory, which is RAM.
+    state_retention_s: float = 86400.0
 
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)

@@ -5,6 +5,13 @@ Every write is atomic (temp file + rename in the same directory) and private
 (0700 directories, 0600 files): the hooks run as root and these files steer
 what they do to a container. Writers of one container serialise on a lock
 file, because runc may run a create hook while a checkpoint is under way.
+
+The state directory lives in /run, which is RAM, so nothing in it is kept
+for good: a CRIU run's progress goes once that CRIU process is gone (after a
+grace period), a container's record and lock at poststop (or, when poststop
+never ran, once its init is gone and the retention time has passed), and
+the last results of a gone container after the retention time (and beyond
+the newest HISTORY_MAX).
 """
 
 from __future__ import annotations
@@ -102,6 +109,43 @@ def read_json(path: Path) -> Any | None:
         return None
 
 
+# A finished CRIU run's progress is kept this long (s) for a look after a
+# failure; the runs of a live CRIU process are always kept.
+RUN_GRACE_S = 600.0
+# Gone containers' last results kept at most, newest first, whatever the retention.
+HISTORY_MAX = 256
+
+
+def _proc_start(pid: int) -> int | None:
+    """Start time of a live (not zombie) process, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(")") + 2:].split()
+    except (OSError, ValueError):
+        return None
+    if not fields or fields[0] in "ZX":
+        return None
+    return int(fields[19])
+
+
+def process_alive(pid: Any, start: Any = None) -> bool:
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    now = _proc_start(pid)
+    return now is not None and (start is None or start == now)
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 class Store:
     def __init__(self, state_dir: str | os.PathLike[str]):
         self.root = Path(state_dir)
@@ -115,12 +159,14 @@ class Store:
     def record_path(self, container_id: str) -> Path:
         return self._dir("containers") / f"{check_id(container_id)}.json"
 
+    def lock_path(self, container_id: str) -> Path:
+        return self._dir("containers") / f"{check_id(container_id)}.lock"
+
     @contextlib.contextmanager
     def locked(self, container_id: str) -> Iterator[None]:
-        path = self._dir("containers") / f"{check_id(container_id)}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        path = self.lock_path(container_id)
+        fd = _lock(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
@@ -139,10 +185,25 @@ class Store:
             return record
 
     def delete(self, container_id: str) -> None:
-        """Forget the record. The lock file stays: unlinking a lock that
-        another hook may be waiting on would let two writers in at once."""
-        with self.locked(container_id), contextlib.suppress(FileNotFoundError):
-            os.unlink(self.record_path(container_id))
+        """Forget the record and its lock file (the last results stay, for
+        `cudahook status`). The lock file goes while held: a hook that was
+        waiting on it finds it unlinked once it gets it, and starts over on
+        a new one (see _lock), so two writers are never in at once."""
+        self._delete(container_id, wait=True)
+
+    def _delete(self, container_id: str, *, wait: bool) -> bool:
+        path = self.lock_path(container_id)
+        fd = _lock(path, wait=wait)
+        if fd is None:
+            return False
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.record_path(container_id))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        finally:
+            os.close(fd)
+        return True
 
     def records(self) -> list[dict[str, Any]]:
         d = self.root / "containers"
@@ -187,10 +248,106 @@ class Store:
     def run_path(self, run_key: str) -> Path:
         return self._dir("runs") / f"{run_key}.json"
 
-    def prune_runs(self, max_age_s: float = 86400) -> None:
+    def prune_runs(self, grace_s: float | None = None) -> int:
+        """Remove the progress (and `.vmm` copies) of CRIU runs whose CRIU
+        process is gone, once `grace_s` has passed since the last write. A
+        run is named `<criu pid>-<start time>`: a reused PID is another run."""
+        grace = RUN_GRACE_S if grace_s is None else grace_s
         d = self.root / "runs"
-        cutoff = time.time() - max_age_s
-        for p in d.glob("*.json") if d.is_dir() else ():
+        if not d.is_dir():
+            return 0
+        cutoff = time.time() - grace
+        removed = 0
+        for p in d.iterdir():
+            key = p.name.split(".")[0] if not p.name.startswith(".") else ""
+            pid, _, start = key.partition("-")
+            if pid.isdigit() and process_alive(int(pid), int(start) if start.isdigit() else None):
+                continue
+            try:
+                if p.lstat().st_mtime >= cutoff:
+                    continue
+            except OSError:
+                continue
+            _remove(p)
+            removed += 1
+        return removed
+
+    def prune(self, retention_s: float, *, now: float | None = None) -> int:
+        """Forget containers that are gone without a poststop (their init is
+        dead) once `retention_s` has passed, lock files left without a record,
+        and gone containers' last results after `retention_s` (and beyond the
+        newest HISTORY_MAX)."""
+        now = time.time() if now is None else now
+        cutoff = now - retention_s
+        removed = 0
+        d = self.root / "containers"
+        live: set[str] = set()
+        for p in sorted(d.iterdir()) if d.is_dir() else ():
+            cid, dot, ext = p.name.rpartition(".")
+            if not dot or ext not in ("json", "lock") or not _ID.fullmatch(cid):
+                continue
+            if cid in live or not os.path.lexists(p):  # gone with its record above
+                continue
+            if ext == "json":
+                rec = read_json(p)
+                if isinstance(rec, dict) and process_alive(rec.get("pid"), rec.get("pid_start")):
+                    live.add(cid)
+                    continue
+            elif (d / f"{cid}.json").exists():
+                continue
+            if not _older(p, cutoff):
+                continue
+            # Never waits: a hook busy with that container has a reason to be,
+            # and the hooks prune right after a checkpoint, which must end.
+            if not self._delete(cid, wait=False):
+                live.add(cid)
+                continue
             with contextlib.suppress(OSError):
-                if p.stat().st_mtime < cutoff:
-                    p.unlink()
+                mark("gpu", cid, on=False)
+            removed += 1
+        h = self.root / "history"
+        entries = []
+        for p in h.glob("*.json") if h.is_dir() else ():
+            with contextlib.suppress(OSError):
+                entries.append((p.stat().st_mtime, p))
+        entries.sort(reverse=True)
+        for i, (mtime, p) in enumerate(entries):
+            if p.stem in live or (i < HISTORY_MAX and mtime >= cutoff):
+                continue
+            with contextlib.suppress(OSError):
+                p.unlink()
+                removed += 1
+        return removed
+
+
+def _older(path: Path, cutoff: float) -> bool:
+    try:
+        return path.stat().st_mtime < cutoff
+    except OSError:
+        return False
+
+
+def _lock(path: Path, *, wait: bool = True) -> int | None:
+    """An fd holding the lock file `path`, exclusively. The file can be
+    unlinked by its holder (Store.delete): a waiter that then gets the lock
+    of an unlinked file holds nothing anyone else will ever ask for, so it
+    checks that `path` still names the file it locked and otherwise starts
+    over with the file now there. Without `wait`, None when it is held."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            try:
+                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            return fd
+        os.close(fd)

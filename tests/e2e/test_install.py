@@ -30,7 +30,7 @@ WATCHED = [
     "/usr/share/containers/oci/hooks.d/50-cudahook-create.json",
     "/usr/share/containers/oci/hooks.d/50-cudahook-poststop.json",
     "/usr/local/bin/cudahook", "/usr/local/bin/cudahook-sim", "/usr/local/bin/cudahook-runtime",
-    "/var/lib/cudahook/journal.json",
+    "/var/lib/cudahook/journal.json", "/etc/logrotate.d/cudahook",
 ]
 
 
@@ -64,7 +64,7 @@ def sh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
                           env=real_node_env())
 
 
-DIRS = ["/etc/criu", "/etc/docker", "/etc/cudahook", "/var/lib/cudahook",
+DIRS = ["/etc/criu", "/etc/docker", "/etc/cudahook", "/var/lib/cudahook", "/etc/logrotate.d",
         "/etc/systemd/system/containerd.service.d", "/usr/share/containers/oci/hooks.d"]
 
 
@@ -79,61 +79,150 @@ def machine():  # type: ignore[no-untyped-def]
             Path(d).rmdir()
 
 
-def test_install_and_uninstall_restore_every_byte(machine, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # Files other tools own, with content and modes of their own.
-    Path("/etc/criu").mkdir(exist_ok=True)
-    Path("/etc/criu/runc.conf").write_text("# site settings\ntcp-established\n")
-    os.chmod("/etc/criu/runc.conf", 0o640)
-    Path("/etc/docker").mkdir(exist_ok=True)
-    Path("/etc/docker/daemon.json").write_text('{"log-level": "warn", "experimental": true}')
-    before = snapshot()
-    prefix = tmp_path / "opt"
+def node_tree(root: Path) -> dict[str, str | bytes]:
+    out: dict[str, str | bytes] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = "->" + os.readlink(p)
+        elif p.is_file():
+            out[rel] = p.read_bytes() + f"|{stat.S_IMODE(p.stat().st_mode):o}".encode()
+    return out
 
-    r = sh(str(REPO / "install.sh"), "--prefix", str(prefix), "--dry-run", "--runtime", "docker")
-    assert r.returncode == 0, r.stderr
-    assert "+action-script" in r.stdout and "/etc/docker/daemon.json" in r.stdout
-    assert snapshot() == before and not prefix.exists()  # a dry run changes nothing
 
-    r = sh(str(REPO / "install.sh"), "--prefix", str(prefix), "--runtime", "docker",
-           "--runtime", "containerd", "--runtime", "podman", "--default-runtime")
+def at_root(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """install.sh (or an installed command) for a whole node kept in `root`."""
+    env = {**os.environ, "CUDAHOOK_ROOT": str(root)}
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture
+def node_root(tmp_path: Path) -> Path:
+    """Files other tools own, with content and modes of their own."""
+    root = tmp_path / "node"
+    (root / "etc/criu").mkdir(parents=True)
+    (root / "etc/criu/runc.conf").write_text("# site settings\ntcp-established\n")
+    os.chmod(root / "etc/criu/runc.conf", 0o640)
+    (root / "etc/docker").mkdir(parents=True)
+    (root / "etc/docker/daemon.json").write_text('{"log-level": "warn", "experimental": true}')
+    return root
+
+
+def test_install_and_uninstall_restore_every_byte(node_root: Path) -> None:
+    root = node_root
+    before = node_tree(root)
+    prefix = root / "opt/cudahook"
+    install = str(REPO / "install.sh")
+
+    r = at_root(root, install, "--dry-run", "--runtime", "docker")
     assert r.returncode == 0, r.stderr
-    r2 = sh(str(REPO / "install.sh"), "--prefix", str(prefix), "--runtime", "docker",
-            "--runtime", "containerd", "--runtime", "podman", "--default-runtime")
+    assert "+action-script" in r.stdout and f"{root}/etc/docker/daemon.json" in r.stdout
+    assert node_tree(root) == before and not prefix.exists()  # a dry run changes nothing
+
+    args = ["--runtime", "docker", "--runtime", "containerd", "--runtime", "podman",
+            "--default-runtime"]
+    r = at_root(root, install, *args)
+    assert r.returncode == 0, r.stderr
+    r2 = at_root(root, install, *args)
     assert r2.returncode == 0 and "already configured" in r2.stdout  # idempotent
 
-    conf = Path("/etc/criu/runc.conf").read_text()
+    conf = (root / "etc/criu/runc.conf").read_text()
     assert conf.startswith("# site settings\ntcp-established\n")
     assert f"action-script {prefix}/libexec/cudahook-criu-action" in conf
-    daemon = json.loads(Path("/etc/docker/daemon.json").read_text())
+    daemon = json.loads((root / "etc/docker/daemon.json").read_text())
     assert daemon["log-level"] == "warn" and daemon["experimental"] is True
     assert daemon["runtimes"]["cudahook"]["path"] == f"{prefix}/libexec/cudahook-runtime"
     assert daemon["default-runtime"] == "cudahook"
     schema = json.loads((config_dir() / "oci-hooks.schema.json").read_text())
+    hooks_d = root / "usr/share/containers/oci/hooks.d"
     for name in ("create", "poststop"):
-        hook = json.loads(Path(f"/usr/share/containers/oci/hooks.d/50-cudahook-{name}.json")
-                          .read_text())
+        hook = json.loads((hooks_d / f"50-cudahook-{name}.json").read_text())
         jsonschema.validate(hook, schema)
         assert os.access(hook["hook"]["path"], os.X_OK)
     assert os.readlink(f"{prefix}/libexec/runc-path/runc").endswith("cudahook-runtime")
-    assert "runc-path" in Path(
-        "/etc/systemd/system/containerd.service.d/50-cudahook.conf").read_text()
+    assert "runc-path" in (root / "etc/systemd/system/containerd.service.d/50-cudahook.conf"
+                           ).read_text()
+    assert str(root / "var/log/cudahook.log") in (root / "etc/logrotate.d/cudahook").read_text()
 
-    r = sh("/usr/local/bin/cudahook", "--json", "doctor")
-    checks = {c["name"]: c for c in json.loads(r.stdout)}
-    assert checks["runc/criu registration"]["status"] == "ok"
-    assert checks["docker registration"]["status"] == "ok"
-    assert checks["cuda-checkpoint"]["status"] == "fail"  # no GPU driver on this machine
-    assert r.returncode == 1
+    for argv in (["--json", "doctor"], ["doctor", "--json"]):
+        r = at_root(root, str(root / "usr/local/bin/cudahook"), *argv)
+        checks = {c["name"]: c for c in json.loads(r.stdout)}
+        assert checks["runc/criu registration"]["status"] == "ok"
+        assert checks["docker registration"]["status"] == "ok"
+        assert checks["dangling registrations"]["status"] == "ok"
+        assert checks["cuda-checkpoint"]["status"] == "fail"  # no GPU driver on this machine
+        assert r.returncode == 1
 
-    r = sh(str(REPO / "install.sh"), "--prefix", str(prefix), "--uninstall")
+    (root / "run/cudahook/containers").mkdir(parents=True)
+    (root / "run/cudahook-marks/gpu").mkdir(parents=True)
+    r = at_root(root, install, "--uninstall")
     assert r.returncode == 0, r.stderr
-    assert snapshot() == before
+    assert f"removed {prefix}/venv" in r.stdout and f"removed {root}/run/cudahook" in r.stdout
+    assert not (root / "run/cudahook").exists() and not (root / "run/cudahook-marks").exists()
+    (root / "run").rmdir()
+    (root / "opt").rmdir()
+    assert node_tree(root) == before
     assert not prefix.exists()
+
+
+PROVISION = """#!/bin/sh
+# Stands in for provision-criu.sh: the same arguments, a CRIU that only says its version.
+set -e
+[ "$1" = --prefix ] && [ "$3" = --link ] && [ -z "$4" ]
+mkdir -p "$2/bin"
+printf '#!/bin/sh\necho "Version: 4.1.1"\n' > "$2/bin/criu"
+chmod 755 "$2/bin/criu"
+"""
+
+
+def test_install_sh_provides_criu_repairs_itself_and_uninstalls_it(
+        node_root: Path, tmp_path: Path) -> None:
+    root = node_root
+    before = node_tree(root)
+    prefix = root / "opt/cudahook"
+    install = str(REPO / "install.sh")
+    provision = tmp_path / "provision.sh"
+    provision.write_text(PROVISION)
+    provision.chmod(0o755)
+    env = {"CUDAHOOK_PROVISION_CRIU": str(provision)}
+    r = at_root(root, "env", *[f"{k}={v}" for k, v in env.items()], install, "--with-criu")
+    assert r.returncode == 0, r.stderr
+    link = root / "usr/local/sbin/criu"
+    assert os.readlink(link) == f"{prefix}/criu/bin/criu"
+
+    # Another prefix is refused in one line, before anything changes.
+    installed = node_tree(root)
+    r = at_root(root, install, "--prefix", str(root / "opt/other"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"already installed at {prefix}" in r.stderr and "--force" in r.stderr
+    assert node_tree(root) == installed
+
+    # Half removed by hand: running install.sh again repairs it.
+    shutil.rmtree(prefix / "libexec")
+    r = at_root(root, str(root / "usr/local/bin/cudahook"), "doctor", "--json")
+    dangling = [c for c in json.loads(r.stdout) if c["name"] == "dangling registration"]
+    assert dangling and dangling[0]["status"] == "fail" and r.returncode == 1
+    assert "install.sh" in dangling[0]["hint"]
+    r = at_root(root, install)
+    assert r.returncode == 0, r.stderr
+    assert os.access(prefix / "libexec/cudahook-criu-action", os.X_OK)
+    r = at_root(root, str(root / "usr/local/bin/cudahook"), "doctor", "--json")
+    assert [c for c in json.loads(r.stdout) if c["name"] == "dangling registration"] == []
+
+    r = at_root(root, install, "--uninstall")
+    assert r.returncode == 0, r.stderr
+    assert not os.path.lexists(link) and not prefix.exists()
+    for d in ("opt", "usr/local/sbin", "usr/local", "usr"):
+        with contextlib.suppress(OSError):
+            (root / d).rmdir()
+    assert node_tree(root) == before
 
 
 def test_installed_wrapper_and_hooks_round_trip_and_demo(machine, tmp_path) -> None:  # type: ignore[no-untyped-def]
     prefix = tmp_path / "opt"
-    r = sh(str(REPO / "install.sh"), "--prefix", str(prefix))
+    # --force: on a node where cudahook is installed, this one stands in for
+    # it until its uninstall puts that one back.
+    r = sh(str(REPO / "install.sh"), "--prefix", str(prefix), "--force")
     assert r.returncode == 0, r.stderr
     installed = Path("/etc/cudahook/config.yaml").read_bytes()
     lab = SimLab(tmp_path / "node").start()

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
+from cudahook.admin.journal import Journal
 from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import guest_binds, guest_env
 
@@ -63,7 +64,7 @@ pytestmark = [
     pytest.mark.skipif(
         bool(_MISSING), reason=f"missing {', '.join(_MISSING)} (scripts/provision-runtimes.sh)"
     ),
-    pytest.mark.skipif(JOURNAL.exists(), reason=f"cudahook is installed here ({JOURNAL})"),
+    pytest.mark.skipif(bool(Journal.all("/")), reason="cudahook is installed here"),
 ]
 
 # The files install.sh (and its configure steps) may touch outside the prefix.
@@ -73,7 +74,7 @@ WATCHED = [
     "/usr/share/containers/oci/hooks.d/50-cudahook-create.json",
     "/usr/share/containers/oci/hooks.d/50-cudahook-poststop.json",
     "/usr/local/bin/cudahook", "/usr/local/bin/cudahook-sim", "/usr/local/bin/cudahook-runtime",
-    str(JOURNAL),
+    str(JOURNAL), "/etc/logrotate.d/cudahook",
 ]
 
 WORKLOADS = [("solo", {"mib": 4}), ("mp", {"mib": 2, "procs": 2})]
@@ -256,8 +257,8 @@ class FirstReports:
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """cudahook installed by install.sh (containerd and docker registered), its
     configuration pointing at a simulated GPU node; all undone afterwards."""
-    if JOURNAL.exists():  # installed since collection (another test run?)
-        pytest.skip(f"cudahook is installed here ({JOURNAL})")
+    if Journal.all("/"):  # installed since collection (another test run?)
+        pytest.skip("cudahook is installed here")
     snap, absent = snapshot(), missing_dirs()
     tmp = tmp_path_factory.mktemp("runtimes")
     prefix = tmp / "opt"
