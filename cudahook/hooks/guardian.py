@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 
 MAX_WAIT_S = 6 * 3600
+POLL_S = 0.1
 
 
 def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int | None]]) -> None:
@@ -50,19 +51,44 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
     )
 
 
-def wait_exit(pid: int, start: int, host: Any) -> None:
+def wait_exit(pid: int, start: int, host: Any, max_wait_s: float | None = None) -> bool:
+    """Wait for that CRIU process (PID and start time) to exit; False if it
+    still runs after max_wait_s.
+
+    Only the process's end counts. pidfd_open is the cheap way to wait; where
+    it is missing (ENOSYS before Linux 5.3, RHEL 8's 4.18) or fails for any
+    other reason, /proc is polled instead: an error is never taken for an exit.
+    """
+    deadline = time.monotonic() + (MAX_WAIT_S if max_wait_s is None else max_wait_s)
     try:
-        fd = os.pidfd_open(pid)
-    except (ProcessLookupError, OSError):
-        return
+        fd: int | None = os.pidfd_open(pid)
+    except OSError:  # ESRCH included: /proc below says whether it is gone
+        fd = None
     try:
-        if not host.alive(pid, start):
-            return
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        poller.poll(MAX_WAIT_S * 1000)
+        while _alive(host, pid, start):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if fd is None:
+                time.sleep(min(POLL_S, left))
+            else:
+                # Woken by the exit; the PID and start time are read again
+                # either way, so a spurious wake-up changes nothing.
+                poller = select.poll()
+                poller.register(fd, select.POLLIN)
+                poller.poll(int(min(left, 60) * 1000) + 1)
+        return True
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
+
+
+def _alive(host: Any, pid: int, start: int) -> bool:
+    """Alive unless /proc says otherwise: an unreadable entry is not an exit."""
+    try:
+        return bool(host.alive(pid, start))
+    except OSError:
+        return True
 
 
 def _frozen(ctx: Any, pid: int) -> bool:
@@ -80,18 +106,28 @@ def main(arg: str) -> int:
 
     args = json.loads(arg)
     ctx = Context(Settings(**args["settings"]))
-    wait_exit(int(args["criu_pid"]), int(args["criu_start"]), ctx.host)
+    cid = args.get("container")
+    if not wait_exit(int(args["criu_pid"]), int(args["criu_start"]), ctx.host):
+        # Restoring under a dump that is still running would put GPU state
+        # into processes CRIU is saving: never proceed while CRIU lives.
+        ctx.log("guardian", container=cid, error=f"CRIU (pid {args['criu_pid']}) still "
+                f"running after {MAX_WAIT_S}s: the workload is left checkpointed")
+        return 1
     # The tasks of a completed dump are being killed; let that land.
     time.sleep(0.05)
     alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
-    cid = args.get("container")
     if not alive:
         ctx.log("guardian", container=cid, outcome="dump completed; nothing to resume")
         return 0
     # A runtime that paused the container for the dump resumes it after
     # CRIU exits; the CUDA restore can only run once it has.
     deadline = time.monotonic() + MAX_WAIT_S
-    while any(_frozen(ctx, pid) for pid in alive) and time.monotonic() < deadline:
+    while any(_frozen(ctx, pid) for pid in alive):
+        if time.monotonic() >= deadline:
+            # A frozen target makes cuda-checkpoint hang: nothing to do but say so.
+            ctx.log("guardian", container=cid, pids=alive, error="container still paused "
+                    f"after {MAX_WAIT_S}s: the workload is left checkpointed")
+            return 1
         time.sleep(0.05)
         alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
     try:
