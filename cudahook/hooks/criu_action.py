@@ -112,15 +112,35 @@ def pre_dump(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     except (OSError, TimeoutError) as exc:
         raise EnvironmentProblem(f"pre-dump: cannot thaw the paused container: {exc}") from exc
     try:
-        return _checkpoint(ctx, call, criu_run, init_pid)
+        # 1. Which container, with which options. Hazard: `cudahook status`
+        #    calling cuda-checkpoint on processes being locked or checkpointed;
+        #    undo: none needed - the container's busy lock keeps it out.
+        record, ctx, opts = container_for(ctx, init_pid)
+        with _busy(ctx, (record or {}).get("id")):
+            return _checkpoint(ctx, call, criu_run, init_pid, record, opts)
     finally:
         if thawed:
             ctx.host.set_frozen(init_pid, True)
 
 
-def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int) -> int:
-    # 1. Which container, with which options. An annotation can opt it out.
-    record, ctx, opts = container_for(ctx, init_pid)
+# How long a checkpoint waits for a `cudahook status` probe of the same container.
+BUSY_WAIT_S = 30.0
+
+
+@contextlib.contextmanager
+def _busy(ctx: Context, cid: str | None) -> Any:
+    from cudahook.platform import busy
+
+    try:
+        with busy.hold(ctx.settings.state_dir, cid, BUSY_WAIT_S):
+            yield
+    except busy.Busy as exc:
+        raise EnvironmentProblem(f"pre-dump: {exc}") from exc
+
+
+def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
+                record: dict[str, Any] | None, opts: Any) -> int:
+    # An annotation can opt the container out.
     cid = (record or {}).get("id")
     if opts.enabled is False:
         ctx.log("pre-dump", container=cid, skipped="disabled by annotation")

@@ -91,6 +91,25 @@ def _alive(host: Any, pid: int, start: int) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def _busy(ctx: Any, cid: str | None) -> Any:
+    """Hold the container's busy lock while restoring; a status probe holds
+    it for seconds at most, and bringing the workload back matters more than
+    the lock, so after the wait it restores anyway."""
+    from cudahook.platform import busy
+
+    try:
+        cm = busy.hold(ctx.settings.state_dir, cid, 60.0)
+        cm.__enter__()
+    except Exception:  # never let the lock stop the restore
+        yield
+        return
+    try:
+        yield
+    finally:
+        cm.__exit__(None, None, None)
+
+
 def _frozen(ctx: Any, pid: int) -> bool:
     try:
         return bool(ctx.host.is_frozen(pid))
@@ -131,7 +150,8 @@ def main(arg: str) -> int:
         time.sleep(0.05)
         alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
     try:
-        result = ctx.engine.restore(alive)
+        with _busy(ctx, cid):
+            result = ctx.engine.restore(alive)
     except CudahookError as exc:
         alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
         if not alive:
