@@ -269,6 +269,8 @@ def _interposer_prepare(ctx: Context, cid: str | None, procs: list[Any], call: C
     detection = vmm.detect(ctx.host, procs)
     if not detection.participates:
         return False
+    if cid:  # poststop removes these sockets, and only these
+        ctx.store.update(cid, vmm_sockets=detection.sockets)
     assert call.image_dir is not None
     output = vmm.run_coordinator(
         ctx.host, ctx.settings.tool("vmm_coordinator"), "prepare", str(ctx.host.proc),

@@ -143,12 +143,51 @@ def test_decoys_count_as_missing_and_are_never_followed(make_env, tmp_path, deco
     assert env.lab.vmm_calls() == []
 
 
-def test_symlinked_control_dir_counts_as_no_sockets(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_symlinked_control_dir_with_the_interposer_loaded_is_refused(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The shims serve through a symlink the hook does not follow: without
+    their sockets the VMM state would be lost, and the shims are there."""
     env = make_env()
-    cid, _, _, _ = start(env, tmp_path, control=False, control_symlink="/tmp", others=[])
+    cid, _, _, tags = start(env, tmp_path, control=False, control_symlink="/tmp", others=[])
+    _refused(env, tmp_path, cid, tags, "interposer loaded")
+    assert env.lab.vmm_calls() == []
+
+
+def test_symlinked_control_dir_without_interposer_is_a_plain_checkpoint(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, _, _, _ = start(env, tmp_path, vmm=False, control=False, control_symlink="/tmp",
+                         others=[])
     assert env.box.checkpoint(cid, tmp_path / "img").returncode == 0
     assert manifest.read(tmp_path / "img")["vmm"] is False
     assert env.lab.vmm_calls() == []
+
+
+def test_containers_sharing_a_control_dir_with_colliding_pids(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Both containers' shims are cuda-vmm-<same nspid>.sock in one directory:
+    the later one took the names. The earlier container's processes have no
+    socket of their own and are refused, never saved with the other's state;
+    the later one checkpoints with its own."""
+    env = make_env()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cids, tags = [], []
+    for name, tag in (("b1", "x"), ("b2", "y")):
+        bundle = env.box.bundle(name, [(tag, {"mib": 1, "vmm": True})], snapshot_control=shared,
+                                others=[])
+        cid = env.cid()
+        assert env.box.run(cid, bundle).returncode == 0, name
+        env.wait_running([tag], steps=3)
+        cids.append(cid)
+        tags.append(tag)
+    nspids = {env.lab.status(t)["pid"] for t in tags}
+    assert len(nspids) == 1  # the collision this test is about
+    _refused(env, tmp_path, cids[0], ["x"], "interposer loaded")
+    assert env.lab.vmm_calls() == []
+    image = tmp_path / "img2"
+    assert env.box.checkpoint(cids[1], image).returncode == 0
+    assert manifest.read(image)["vmm"] is True
+    # b1 is untouched by b2's checkpoint and poststop.
+    assert (shared / f"cuda-vmm-{nspids.pop()}.sock").exists() is False
+    env.wait_running(["x"], env.counters(["x"]))
 
 
 def test_coordinator_failure_at_prepare_rolls_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
