@@ -4,7 +4,10 @@ Started detached at pre-dump. CRIU resumes the tasks when a dump fails (at
 any point, including while freezing, where no action script runs) or when it
 dumps with --leave-running; either way the CUDA processes are alive but
 checkpointed. A successful dump kills them. So: wait for this CRIU process
-to exit, and restore whichever of the checkpointed processes is still alive.
+to exit, and restore whichever of the checkpointed processes is still alive;
+if the CUDA VMM interposer took part, replay its saved state into them too
+(the checkpoint dropped their VMM mappings). Failing that, it says so: the
+result is recorded unsafe, never "resumed".
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ MAX_WAIT_S = 6 * 3600
 POLL_S = 0.1
 
 
-def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int | None]]) -> None:
+def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int | None]],
+          vmm_keep: dict[str, Any] | None = None) -> None:
     """Leave a guardian behind for this CRIU run, detached (its own session:
     a runtime that kills the hook's process group does not kill it).
 
     `procs` are (pid, start time) pairs: the start time tells our processes
-    from a later process that reused the PID.
+    from a later process that reused the PID. `vmm_keep`: where a copy of the
+    VMM state --prepare saved is, and each process's namespace PID.
     """
     import subprocess
     import sys
@@ -42,6 +47,7 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
         "container": cid,
         "procs": procs,
         "settings": asdict(ctx.settings),
+        "vmm": vmm_keep,
     }
     subprocess.Popen(
         [sys.executable, "-I", "-c", "import sys; from cudahook.hooks.guardian import main; "
@@ -91,6 +97,32 @@ def _alive(host: Any, pid: int, start: int) -> bool:
         return True
 
 
+def _drop(keep: dict[str, Any] | None) -> None:
+    if keep:
+        import shutil
+
+        shutil.rmtree(keep["dir"], ignore_errors=True)
+
+
+def _vmm_restore(ctx: Any, cid: str | None, keep: dict[str, Any], result: Any) -> None:
+    """Replay the VMM state --prepare saved into the processes the checkpoint
+    dropped it from (those this restore brought back), then unlock if the
+    settings want the replay first."""
+    from pathlib import Path
+
+    from cudahook.vmm import coordinator as vmm
+
+    back = {s.pid for s in result.timeline.steps if s.ok and s.step in ("restore", "toggle")}
+    pairs = [(pid, int(keep["nspids"][str(pid)])) for pid in result.pids if pid in back]
+    if pairs:
+        output = vmm.run_coordinator(ctx.host, ctx.settings.tool("vmm_coordinator"), "restore",
+                                     "", Path(keep["dir"]), pairs, ctx.settings.vmm_timeout_s)
+        ctx.log("vmm-restore", container=cid, pids=[p for p, _ in pairs], output=output,
+                reason="guardian")
+    if ctx.settings.vmm_restore_before_unlock:
+        ctx.engine.unlock(result.pids)
+
+
 @contextlib.contextmanager
 def _busy(ctx: Any, cid: str | None) -> Any:
     """Hold the container's busy lock while restoring; a status probe holds
@@ -135,7 +167,9 @@ def main(arg: str) -> int:
     # The tasks of a completed dump are being killed; let that land.
     time.sleep(0.05)
     alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
+    keep = args.get("vmm")
     if not alive:
+        _drop(keep)
         ctx.log("guardian", container=cid, outcome="dump completed; nothing to resume")
         return 0
     # A runtime that paused the container for the dump resumes it after
@@ -151,15 +185,24 @@ def main(arg: str) -> int:
         alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
     try:
         with _busy(ctx, cid):
-            result = ctx.engine.restore(alive)
+            result = ctx.engine.restore(alive, unlock=not (
+                keep and ctx.settings.vmm_restore_before_unlock))
+            if keep:
+                _vmm_restore(ctx, cid, keep, result)
     except CudahookError as exc:
         alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
         if not alive:
             ctx.log("guardian", container=cid, outcome="tasks exited while resuming")
             return 0
-        ctx.log("guardian", container=cid, pids=alive,
-                error=f"could not bring the workload back onto its GPU: {exc}")
+        error = f"could not bring the workload back onto its GPU: {exc}"
+        ctx.log("guardian", container=cid, pids=alive, error=error,
+                vmm_state=keep["dir"] if keep else None)
+        if cid:
+            with contextlib.suppress(OSError, CudahookError):
+                ctx.store.remember(cid, "resume", {"time": time.time(), "ok": False,
+                                                   "unsafe": True, "error": error})
         return 1
+    _drop(keep)
     ctx.log("guardian", container=cid, pids=alive, outcome="resumed on GPU after the dump",
             total_s=result.timeline.total(), timeline=result.timeline.to_dict())
     if cid:

@@ -229,3 +229,59 @@ def test_coordinator_before_unlock_option(make_env, tmp_path) -> None:  # type: 
     assert env.box.restore(cid, bundle, image).returncode == 0
     env.wait_running(tags, frozen)
     assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
+
+
+def test_rollback_after_prepare_brings_the_mappings_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The checkpoint of the second of two VMM workloads fails: both are
+    rolled back onto the GPU with their VMM mappings, or it says unsafe."""
+    env = make_env()
+    workloads = [("a", {"mib": 1, "vmm": True}), ("b", {"mib": 1, "vmm": True})]
+    cid, _, _, tags = start(env, tmp_path, workloads=workloads, others=[])
+    env.lab.fault("checkpoint", tag="b", code=2)
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    env.lab.clear_faults()
+    # Counted from now: a memory check (VMM mapping included) after the rollback.
+    env.wait_running(tags, env.counters(tags))
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
+    assert "out of memory" in env.events("checkpoint")[-1]["error"]
+    assert env.box.state(cid)["status"] == "running"
+
+
+def test_leave_running_brings_the_mappings_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, _, _, tags = start(env, tmp_path, others=[])
+    r = env.box.checkpoint(cid, tmp_path / "img", leave_running=True)
+    assert r.returncode == 0, r.stderr
+    env.wait_event("guardian", lambda e: "resumed" in e.get("outcome", ""))
+    env.wait_running(tags, env.counters(tags))
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
+
+
+def test_failed_dump_brings_the_mappings_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    holder = ("/usr/bin/python3 -c 'import socket,time; s=socket.socket(socket.AF_UNIX); "
+              "s.connect(\"/run/cuda-sim/gpu.sock\"); time.sleep(1e6)'")
+    cid, _, _, tags = start(env, tmp_path, others=[holder])
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    assert "External socket" in (tmp_path / "img.work" / "dump.log").read_text()
+    env.wait_event("guardian", lambda e: "resumed" in e.get("outcome", ""))
+    env.wait_running(tags, env.counters(tags))
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
+
+
+def test_mappings_that_cannot_come_back_are_reported_unsafe(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    workloads = [("a", {"mib": 1, "vmm": True}), ("b", {"mib": 1, "vmm": True})]
+    cid, _, _, _ = start(env, tmp_path, workloads=workloads, others=[])
+    env.lab.fault("checkpoint", tag="b", code=2)
+    env.lab.fault("vmm-restore", message="replay failed")
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    ev = env.wait_event("checkpoint", lambda e: "error" in e)
+    assert "replay failed" in ev["error"] and ev.get("unsafe") is True
+    with open(env.config) as f:
+        state_dir = __import__("yaml").safe_load(f)["state_dir"]
+    hist = __import__("json").loads((Path(state_dir) / "history" / f"{cid}.json").read_text())
+    assert hist["checkpoint"]["ok"] is False and hist["checkpoint"].get("unsafe") is True
