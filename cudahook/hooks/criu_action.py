@@ -438,11 +438,24 @@ def post_resume(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         ctx.log("restore", container=cid, error=error, timeline=timeline)
         _remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline)
         return int(exc.exit_code) or Exit.FAILED
+    if vmm_dir and cid:
+        record_vmm_sockets(ctx, cid, procs, [p["nspid"] for p in data["processes"]])
     ctx.log("restore", container=cid, pids=procs, device_map=mapping,
             total_s=result.timeline.total(), timeline=result.timeline.to_dict())
     _remember(ctx, cid, "restore", ok=True, pids=procs, device_map=mapping,
               total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict())
     return Exit.OK
+
+
+def record_vmm_sockets(ctx: Context, cid: str, pids: list[int], nspids: list[int]) -> None:
+    """The restored shims' sockets are new files: record them as this
+    container's, for poststop. Best effort: without it they are only left."""
+    from cudahook.core.discovery import CudaProcess
+
+    with contextlib.suppress(Exception):
+        found = vmm.detect(ctx.host, [CudaProcess(p, n) for p, n in zip(pids, nspids, strict=True)])
+        if found.participates:
+            ctx.store.update(cid, vmm_sockets=found.sockets)
 
 
 # -- small helpers --------------------------------------------------------------

@@ -285,3 +285,18 @@ def test_mappings_that_cannot_come_back_are_reported_unsafe(make_env, tmp_path) 
         state_dir = __import__("yaml").safe_load(f)["state_dir"]
     hist = __import__("json").loads((Path(state_dir) / "history" / f"{cid}.json").read_text())
     assert hist["checkpoint"]["ok"] is False and hist["checkpoint"].get("unsafe") is True
+
+
+def test_poststop_removes_the_restored_containers_own_sockets(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, ctl, tags = start(env, tmp_path, others=[])
+    (ctl / "keep").write_text("not ours")
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    assert sorted(p.name for p in ctl.iterdir()) == ["keep"]  # the dumped container's poststop
+    frozen = env.frozen(tags)
+    assert env.box.restore(cid, bundle, image).returncode == 0
+    env.wait_running(tags, frozen)
+    assert len(list(ctl.glob("cuda-vmm-*.sock"))) == len(tags)
+    env.box.delete(cid)
+    assert sorted(p.name for p in ctl.iterdir()) == ["keep"]
