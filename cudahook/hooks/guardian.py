@@ -93,7 +93,7 @@ def _alive(host: Any, pid: int, start: int) -> bool:
     """Alive unless /proc says otherwise: an unreadable entry is not an exit."""
     try:
         return bool(host.alive(pid, start))
-    except OSError:
+    except Exception:
         return True
 
 
