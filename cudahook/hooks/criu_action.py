@@ -405,6 +405,18 @@ def post_resume(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     init_pid = _need_init(call)
     record, ctx, opts = container_for(ctx, init_pid)
     cid = (record or {}).get("id") or data.get("container_id")
+    from cudahook.platform import busy
+
+    # Hazard: `cudahook status` calling cuda-checkpoint on processes being
+    # restored. The container's busy lock keeps it out - but never at the
+    # cost of the restore: after the wait it goes on without the lock.
+    with busy.hold(ctx.settings.state_dir, (record or {}).get("id"), BUSY_WAIT_S,
+                   required=False):
+        return _restore(ctx, call, criu_run, data, init_pid, record, opts, cid)
+
+
+def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, Any],
+             init_pid: int, record: dict[str, Any] | None, opts: Any, cid: str | None) -> int:
     try:
         # 1. The device map post-restore settled on, and the restored
         #    processes by their namespace PIDs (host PIDs changed).

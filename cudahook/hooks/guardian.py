@@ -123,23 +123,13 @@ def _vmm_restore(ctx: Any, cid: str | None, keep: dict[str, Any], result: Any) -
         ctx.engine.unlock(result.pids)
 
 
-@contextlib.contextmanager
 def _busy(ctx: Any, cid: str | None) -> Any:
-    """Hold the container's busy lock while restoring; a status probe holds
-    it for seconds at most, and bringing the workload back matters more than
-    the lock, so after the wait it restores anyway."""
+    """The container's busy lock while restoring; a status probe holds it for
+    seconds at most, and bringing the workload back matters more than the
+    lock, so after the wait it restores anyway."""
     from cudahook.platform import busy
 
-    try:
-        cm = busy.hold(ctx.settings.state_dir, cid, 60.0)
-        cm.__enter__()
-    except Exception:  # never let the lock stop the restore
-        yield
-        return
-    try:
-        yield
-    finally:
-        cm.__exit__(None, None, None)
+    return busy.hold(ctx.settings.state_dir, cid, 60.0, required=False)
 
 
 def _frozen(ctx: Any, pid: int) -> bool:

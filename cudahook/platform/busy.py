@@ -31,27 +31,36 @@ def _open(state_dir: str, container_id: str) -> int:
 
 
 @contextlib.contextmanager
-def hold(state_dir: str, container_id: str | None, wait_s: float) -> Iterator[None]:
-    """Hold the container's lock exclusively; Busy after wait_s."""
-    if not container_id:
-        yield
-        return
-    fd = _open(state_dir, container_id)
+def hold(state_dir: str, container_id: str | None, wait_s: float, *,
+         required: bool = True) -> Iterator[None]:
+    """Hold the container's lock exclusively; Busy after wait_s. Not
+    `required`: go on without it instead (after the wait, or when the lock
+    file cannot be had), for a restore that matters more than the lock."""
+    fd = -1
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
+        if container_id:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise Busy(
-                        f"another cudahook operation on container {container_id} "
-                        f"still runs after {wait_s:g}s") from None
-                time.sleep(0.02)
+                fd = _open(state_dir, container_id)
+            except Exception:
+                if required:
+                    raise
+            deadline = time.monotonic() + wait_s
+            while fd >= 0:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    elif required:
+                        raise Busy(f"another cudahook operation on container {container_id} "
+                                   f"still runs after {wait_s:g}s") from None
+                    else:
+                        break
         yield
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 @contextlib.contextmanager
