@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import pytest
@@ -117,7 +118,7 @@ def test_failure_on_one_process_rolls_every_process_back(make_node, action: str,
     msg = res.errors[victim]
     assert f"pid {victim}" in msg and action in msg
     assert ("timed out" in msg) if mode == "hang" else ('"out of memory"' in msg)
-    assert res.final == {p.pid: "running" for p in procs if p.pid in res.final}
+    assert res.final == {p.pid: "running" for p in procs}
     node.lab.clear_faults()
     assert_all_running_and_intact(node, engine, [p.pid for p in procs], before)
 
@@ -235,7 +236,7 @@ def test_fresh_states_from_discovery_save_a_round_of_calls(make_node) -> None:  
     assert res.ok and not [s for s in res.timeline.steps if s.step == "get-state"]
     # Kept states are not fresh: the default reads again, and acts on what it reads.
     again = engine.checkpoint(procs)
-    assert again.changed == [] and {s.step for s in again.timeline.steps} == {"get-state"}
+    assert again.changed == [] and {s.step for s in again.timeline.steps} == {"get-state", "verify"}
     engine.restore(procs)
 
 
@@ -390,3 +391,99 @@ def test_a_checkpoint_in_progress_elsewhere_is_named_not_touched(make_node) -> N
     assert other.wait(timeout=30) == 0
     engine.restore([p.pid])
     assert node.lab.wait_counter("w", node.lab.status("w")["counter"] + 11)["intact"]
+
+
+def _wrap(engine, name: str, before) -> None:  # type: ignore[no-untyped-def]
+    """Call `before(pid)` ahead of each backend `name` call."""
+    real = getattr(engine.backend, name)
+
+    def call(pid, *a):  # type: ignore[no-untyped-def]
+        before(pid)
+        return real(pid, *a)
+
+    setattr(engine.backend, name, call)
+
+
+@pytest.mark.parametrize("step", ["lock", "checkpoint"])
+def test_any_exception_in_a_parallel_call_fails_that_process(make_node, step: str) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes
+    victim = pids["pair.2"]
+
+    def boom(pid: int) -> None:
+        if pid == victim:
+            raise KeyError("unexpected")
+
+    _wrap(engine, step, boom)
+    before = counters(node)
+    with pytest.raises(PhaseError) as err:
+        engine.checkpoint(procs)
+    res = err.value.result
+    assert list(res.errors) == [victim] and "KeyError" in res.errors[victim]
+    assert err.value.safe and res.rolled_back
+    assert res.final == {p.pid: "running" for p in procs}
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], before)
+
+
+def test_checkpoint_reads_the_states_back(make_node) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint call that returns success without acting is caught."""
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes
+    victim = pids["solo"]
+    real = engine.backend.checkpoint
+    engine.backend.checkpoint = lambda pid: None if pid == victim else real(pid)  # type: ignore[method-assign]
+    before = counters(node)
+    with pytest.raises(PhaseError) as err:
+        engine.checkpoint(procs)
+    res = err.value.result
+    assert list(res.errors) == [victim] and "ended locked, not checkpointed" in res.errors[victim]
+    assert err.value.safe and res.final == {p.pid: "running" for p in procs}
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], before)
+
+
+def test_locks_go_to_all_processes_at_once_whatever_max_parallel(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580)
+    engine = node.engine(max_parallel=1)
+    init, _ = start(node)
+    procs = find(node, engine, init.pid).processes
+    # Each lock waits until every lock has started: one at a time never gets there.
+    barrier = threading.Barrier(len(procs), timeout=5)
+    _wrap(engine, "lock", lambda pid: barrier.wait())
+    res = engine.checkpoint(procs)
+    assert res.ok and set(res.final.values()) == {"checkpointed"}
+    # Checkpoints stay capped at max_parallel.
+    ckpt = sorted((s.start, s.end) for s in res.timeline.steps if s.step == "checkpoint")
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ckpt))
+    frozen = counters(node)
+    engine.restore(procs)
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)
+
+
+def test_restore_failure_reports_the_states_read_back(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes
+    engine.checkpoint(procs)
+    frozen = counters(node)
+    victim = pids["solo"]
+
+    def boom(pid: int) -> None:
+        if pid == victim:
+            raise OSError("unexpected")
+
+    _wrap(engine, "restore", boom)
+    with pytest.raises(PhaseError) as err:
+        engine.restore(procs)
+    res = err.value.result
+    assert not err.value.safe and list(res.errors) == [victim]
+    assert res.final[victim] == "checkpointed"
+    assert set(res.final.values()) <= {"locked", "checkpointed"}
+    assert set(res.final) == {p.pid for p in procs}
+    engine.backend.restore = type(engine.backend).restore.__get__(engine.backend)  # type: ignore[method-assign]
+    assert engine.restore(procs).ok
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)

@@ -294,12 +294,15 @@ def sock(path: Path, held: list[socket.socket]) -> None:
         os.close(dfd)
 
 
-def test_poststop_forgets_the_container_and_its_stale_sockets(hook: Hook) -> None:
+def test_poststop_forgets_the_container_and_only_its_own_sockets(hook: Hook) -> None:
+    """The directory is shared with d: only the sockets recorded as c's go."""
+    from cudahook.platform.store import Store
+
     ctl = hook.tmp / "ctl"
     ctl.mkdir()
     held: list[socket.socket] = []
     try:
-        for n in (7, 8):
+        for n in (6, 7, 8):
             sock(ctl / f"cuda-vmm-{n}.sock", held)
         sock(ctl / "other.sock", held)
         (ctl / "cuda-vmm-9.sock").write_text("not a socket")
@@ -307,13 +310,18 @@ def test_poststop_forgets_the_container_and_its_stale_sockets(hook: Hook) -> Non
         b = gpu_bundle(hook, mounts=[{"destination": "/snapshot-control", "source": str(ctl)}])
         assert hook.run("createRuntime", state=hook.state("c", b, hook.init())).returncode == 0
         assert hook.run("createRuntime", state=hook.state("d", b, hook.init())).returncode == 0
+        ident = {n: [os.lstat(ctl / n).st_dev, os.lstat(ctl / n).st_ino]
+                 for n in ("cuda-vmm-6.sock", "cuda-vmm-7.sock")}
+        Store(hook.state_dir).update("c", vmm_sockets=ident)  # as c's pre-dump saw them
+        held[0].listen(1)  # cuda-vmm-6.sock: since taken over by a live process
         st = hook.state("c", b, status="stopped")
         r = hook.run("poststop", state=st)
         assert r.returncode == 0, r.stderr
     finally:
         for s in held:
             s.close()
-    assert sorted(os.listdir(ctl)) == ["cuda-vmm-9.sock", "data", "other.sock"]
+    assert sorted(os.listdir(ctl)) == ["cuda-vmm-6.sock", "cuda-vmm-8.sock", "cuda-vmm-9.sock",
+                                       "data", "other.sock"]
     # c's record is gone, and its lock file with it (see Store.delete).
     assert sorted(os.listdir(hook.state_dir / "containers")) == ["d.json", "d.lock"]
     assert [e["event"] for e in hook.events()][-1] == "oci-poststop"

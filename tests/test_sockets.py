@@ -76,20 +76,48 @@ def test_list_sockets_missing_or_odd_paths(tmp_path: Path) -> None:
     assert sockets.list_sockets(str(tmp_path / "." / "x")) == {}
 
 
-def test_remove_stale_sockets_removes_only_valid_sockets(
+def _ident(path: Path) -> list[int]:
+    st = os.lstat(path)
+    return [st.st_dev, st.st_ino]
+
+
+def test_remove_owned_sockets_removes_only_the_recorded_ones(
         tmp_path: Path, bound: list[socket.socket]) -> None:
     d = tmp_path / "ctl"
     made = populate(d, bound)
     before = sorted(os.listdir(d))
-    assert sockets.remove_stale_sockets(str(d)) == 2
-    after = sorted(os.listdir(d))
-    assert sorted(set(before) - set(after)) == ["cuda-vmm-1234567890.sock", "cuda-vmm-7.sock"]
-    for key in ("bad_zero", "bad_lead0", "bad_long", "bad_name", "bad_suffix", "bad_newline",
-                "fifo", "file",
-                "dir", "notes", "outside"):
-        assert made[key].exists(), key
+    owned = {"cuda-vmm-7.sock": _ident(made["ok7"]),
+             # another container's socket took this name since: not ours any more
+             "cuda-vmm-1234567890.sock": [0, 0],
+             "other.sock": _ident(made["bad_name"]),  # not an interposer name
+             "cuda-vmm-11.sock": _ident(made["outside"])}  # a symlink there
+    assert sockets.remove_owned_sockets(str(d), owned) == 1
+    assert sorted(set(before) - set(os.listdir(d))) == ["cuda-vmm-7.sock"]
     assert made["link"].is_symlink() and made["outside"].is_socket()
-    assert sockets.remove_stale_sockets(str(d)) == 0  # nothing left to remove
+    assert sockets.remove_owned_sockets(str(d), owned) == 0  # nothing left to remove
+    assert sockets.remove_owned_sockets(str(d), {}) == 0
+
+
+def test_a_live_socket_is_never_removed(tmp_path: Path, bound: list[socket.socket]) -> None:
+    d = tmp_path / "ctl"
+    d.mkdir()
+    path = make_socket(d / "cuda-vmm-7.sock", bound)
+    bound[-1].listen(1)  # someone still serves it
+    assert sockets.remove_owned_sockets(str(d), {"cuda-vmm-7.sock": _ident(path)}) == 0
+    assert path.is_socket()
+
+
+def test_owned_socket_is_the_one_the_process_listens_on(
+        tmp_path: Path, bound: list[socket.socket]) -> None:
+    d = tmp_path / "ctl"
+    d.mkdir()
+    path = make_socket(d / "cuda-vmm-7.sock", bound)
+    assert sockets.owned_socket(7, os.getpid(), str(d), "/") is None  # nobody listens
+    bound[-1].listen(1)
+    assert sockets.owned_socket(7, os.getpid(), str(d), "/") == (
+        "cuda-vmm-7.sock", *_ident(path))
+    assert sockets.owned_socket(7, os.getpid() + 1, str(d), "/") is None  # another's socket
+    assert sockets.owned_socket(8, os.getpid(), str(d), "/") is None
 
 
 @pytest.mark.parametrize("where", ["leaf", "parent"])
@@ -109,7 +137,9 @@ def test_symlinked_directory_is_treated_as_missing(
     assert sorted(os.listdir(path)) == before  # the path does lead there when followed
     assert sockets.open_dir_nofollow(str(path)) is None
     assert sockets.list_sockets(str(path)) == {}
-    assert sockets.remove_stale_sockets(str(path)) == 0
+    owned = {n: _ident(host / n) for n in ("cuda-vmm-7.sock", "cuda-vmm-1234567890.sock")}
+    assert sockets.remove_owned_sockets(str(path), owned) == 0
+    assert sockets.owned_socket(7, os.getpid(), str(path), "/") is None
     assert sorted(os.listdir(host)) == before  # untouched
     assert sockets.list_sockets(str(host)) != {}  # (the real path itself is fine)
 
@@ -121,7 +151,8 @@ def test_symlink_to_a_socket_dir_elsewhere_in_the_path(
     (tmp_path / "l1").symlink_to(tmp_path / "a")
     (tmp_path / "a" / "l2").symlink_to(tmp_path / "a" / "b")
     for path in (tmp_path / "l1" / "b" / "ctl", tmp_path / "a" / "l2" / "ctl"):
-        assert sockets.remove_stale_sockets(str(path)) == 0
+        assert sockets.remove_owned_sockets(
+            str(path), {"cuda-vmm-7.sock": _ident(host / "cuda-vmm-7.sock")}) == 0
         assert sockets.list_sockets(str(path)) == {}
     assert len(sockets.list_sockets(str(host))) == 2
 

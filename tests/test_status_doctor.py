@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,34 @@ def test_doctor_flags_persistence_off_na_fields_and_no_gpu(make_node) -> None:  
     assert c["driver"]["status"] == "warn" and "no GPU visible" in c["driver"]["detail"]
     r = cli(cfg, "gpus")
     assert r.returncode == 5 and r.stderr == "cudahook: nvidia-smi: no GPU visible (No devices were found)\n"
+
+
+def test_status_does_not_probe_during_a_checkpoint_or_a_dump(node) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.platform import busy
+
+    init = node.spawn_tree(("a", {"mib": 1}),)
+    pid = node.lab.wait_counter("a")["pid"]
+    settings = node.settings()
+    Store(settings.state_dir).update("job-1", pid=init.pid, pid_start=None)
+    calls = node.lab.root / "calls.log"
+    tool = node.lab.root / "logged-cuda-checkpoint"
+    tool.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {node.lab.cuda_checkpoint} "$@"\n')
+    tool.chmod(0o755)
+    cfg = node_config(node, cuda_checkpoint=str(tool))
+    with busy.hold(settings.state_dir, "job-1", 5):  # as a pre-dump does
+        before = calls.read_text() if calls.exists() else ""
+        r = cli(cfg, "status")
+        assert r.returncode == 0, r.stderr
+        assert "checkpoint or restore is in progress: not probed" in r.stdout
+        assert f"pid {pid}" not in r.stdout
+        assert "--pid" not in (calls.read_text() if calls.exists() else "")[len(before):]
+    # CRIU seizes the tasks it dumps: a stopped one is not probed either.
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(cfg), "status"],
+                           capture_output=True, text=True, timeout=20)
+        assert f"process {pid} is stopped or traced" in r.stdout, r.stdout + r.stderr
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    r = cli(cfg, "status")
+    assert f"pid {pid}" in r.stdout and "running" in r.stdout

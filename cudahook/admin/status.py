@@ -24,7 +24,7 @@ def gather(ctx: Context, *, live: bool = True) -> dict[str, Any]:
             "restores": rec.get("restores", 0), "processes": [], "last": history.get(cid, {}),
         }
         if alive and live:
-            entry["processes"] = _processes(ctx, pid)
+            entry["processes"] = _processes(ctx, cid, pid)
         out.append(entry)
     known = {c["id"] for c in out}
     for cid, last in history.items():
@@ -33,16 +33,51 @@ def gather(ctx: Context, *, live: bool = True) -> dict[str, Any]:
     return {"containers": out}
 
 
-def _processes(ctx: Context, init_pid: int) -> list[dict[str, Any]]:
+# Each cuda-checkpoint probe of `status` gets at most this long: it is a look,
+# and a process that does not answer is reported, not waited for.
+PROBE_TIMEOUT_S = 10.0
+
+
+def _processes(ctx: Context, cid: str, init_pid: int) -> list[dict[str, Any]]:
     from cudahook.core.discovery import discover
+    from cudahook.platform import busy
     from cudahook.platform.errors import CudahookError
 
     try:
-        found = discover(ctx.host, ctx.backend, init_pid, ctx.settings.device_regex,
-                         require_device_fd=False, max_parallel=ctx.settings.max_parallel)
-    except CudahookError as exc:
+        with busy.peek(ctx.settings.state_dir, cid) as free:
+            if not free:
+                return [{"error": "a checkpoint or restore is in progress: not probed"}]
+            why = _unprobeable(ctx, init_pid)
+            if why:
+                return [{"error": why}]
+            settings = ctx.settings.with_overrides(
+                call_timeout_s=min(ctx.settings.call_timeout_s, PROBE_TIMEOUT_S))
+            look = Context(settings, ctx.host)
+            found = discover(look.host, look.backend, init_pid, settings.device_regex,
+                             require_device_fd=False, max_parallel=settings.max_parallel)
+    except (CudahookError, OSError) as exc:
         return [{"error": str(exc)}]
     return [{"pid": p.pid, "nspid": p.nspid, "state": p.state or "?"} for p in found.processes]
+
+
+def _unprobeable(ctx: Context, init_pid: int) -> str | None:
+    """Why cuda-checkpoint must not be called on the container now, if so:
+    it hangs on a frozen, stopped or traced target (CRIU seizes the tasks
+    it dumps)."""
+    from cudahook.core.discovery import container_pids
+
+    try:
+        if ctx.host.is_frozen(init_pid):
+            return "container paused: processes not probed"
+        pids, _ = container_pids(ctx.host, init_pid)
+        for pid in pids:
+            status = ctx.host.status(pid)
+            if status.get("State", "")[:1] in ("t", "T") or status.get("TracerPid", "0") != "0":
+                return (f"process {pid} is stopped or traced (a dump in progress?): "
+                        "processes not probed")
+    except Exception as exc:  # anything unreadable: do not probe blind
+        return f"cannot inspect the container ({type(exc).__name__}: {exc}): processes not probed"
+    return None
 
 
 def _when(t: float | None) -> str:

@@ -16,7 +16,7 @@ from cudahook.platform.errors import CudahookError, ToolError
 from cudahook.platform.host import Host, ProcessGone
 
 from .backends import CHECKPOINTED, RUNNING
-from .fanout import fan_out
+from .fanout import Raised, fan_out
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -160,7 +160,9 @@ def discover(
             )
         probe = _thread_probe(host, device_pattern)
 
-    outcomes = fan_out(probe, result.candidates, max_parallel)
+    # A probe that raised gave no answer either: never "not CUDA".
+    outcomes = [(None, None, f"{type(o.exc).__name__}: {o.exc}") if isinstance(o, Raised) else o
+                for o in fan_out(probe, result.candidates, max_parallel)]
     unanswered = [(pid, why) for pid, (is_cuda, _, why) in zip(result.candidates, outcomes,
                                                               strict=True) if is_cuda is None]
     if unanswered:

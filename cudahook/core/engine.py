@@ -13,7 +13,10 @@ so the caller can fail closed (kill it) and retry from the intact image.
 
 Every phase reads the states first and only moves processes that are not
 already where the phase wants them: CRIU 3.19-4.1.1 run each action script
-twice, and a toggle that runs twice undoes itself.
+twice, and a toggle that runs twice undoes itself. Every phase also ends by
+reading the states back: a result reports what the driver says, never what
+the calls were meant to do. Any exception in a call on one process, of any
+type, is that process's failure.
 
 On R590+ the processes of one `--launch-job` job (they share CUDA IPC) are
 driven one at a time - two members at once fail or hang in the driver -
@@ -31,7 +34,7 @@ from cudahook.platform.host import Host, ProcessGone
 
 from .backends import CHECKPOINTED, LOCKED, RUNNING, STABLE, explain_state
 from .discovery import CudaProcess, has_device_fd
-from .fanout import fan_out
+from .fanout import Raised, fan_out
 from .timeline import Timeline
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -92,27 +95,34 @@ class Engine:
     # -- helpers -----------------------------------------------------------
 
     def _each(
-        self, pids: list[int], fn: Callable[[int], None], *, parallel: bool | None = None
+        self, pids: list[int], fn: Callable[[int], None], *, parallel: bool | None = None,
+        all_at_once: bool = False,
     ) -> dict[int, BaseException]:
-        """Run fn for every PID; the failures, by PID."""
+        """Run fn for every PID; the failures, by PID.
+
+        Whatever fn raises is that process's failure: a bug or an unexpected
+        error must fail the phase, never pass as success. `all_at_once`
+        ignores max_parallel (locks: see the module notes).
+        """
         if parallel is None:
             parallel = not self.settings.sequential
         failures: dict[int, BaseException] = {}
 
-        def one(pid: int) -> None:
-            try:
-                fn(pid)
-            except (ToolError, ProcessGone, EnvironmentProblem) as exc:
-                failures[pid] = exc
-
         def group(members: list[int]) -> None:
             for pid in members:
-                one(pid)
+                try:
+                    fn(pid)
+                except BaseException as exc:  # every failure is that process's
+                    failures[pid] = exc
 
         # Members of one --launch-job job (R590+) one at a time, jobs and
         # processes outside any job side by side.
         groups = self._job_groups(pids) if parallel and len(pids) > 1 else [[p] for p in pids]
-        fan_out(group, groups, self.settings.max_parallel if parallel else 1)
+        workers = len(groups) if all_at_once else (self.settings.max_parallel if parallel else 1)
+        for members, outcome in zip(groups, fan_out(group, groups, workers), strict=True):
+            if isinstance(outcome, Raised):  # the group itself failed: so did its members
+                for pid in members:
+                    failures.setdefault(pid, outcome.exc)
         return failures
 
     def _job_groups(self, pids: list[int]) -> list[list[int]]:
@@ -198,10 +208,12 @@ class Engine:
         else:
             to_lock = [p for p in pids if res.initial[p] == RUNNING]
             timeout = self.settings.lock_timeout_ms
+            # All at once, whatever max_parallel says: a rank left unlocked
+            # while its peers are locked can hang them (NCCL).
             failures = self._each(
                 to_lock,
                 lambda p: self._step(tl, p, "lock", lambda q: self.backend.lock(q, timeout)),
-                parallel=True,
+                parallel=True, all_at_once=True,
             )
             if failures:
                 return self._abort(res, failures, touched=to_lock)
@@ -212,7 +224,16 @@ class Engine:
             res.changed = sorted(set(to_lock) | set(to_ckpt))
             if failures:
                 return self._abort(res, failures, touched=res.changed)
-        res.final = {p: CHECKPOINTED for p in pids}
+        # Trust only a read: a call that returned 0 without acting, or one
+        # that acted on the wrong process, must not pass as checkpointed.
+        final, errors = self.read_states(pids, tl, step="verify")
+        for pid, state in final.items():
+            if state != CHECKPOINTED:
+                errors[pid] = f"pid {pid}: ended {state}, not checkpointed"
+        if errors:
+            return self._abort(res, {p: _Unverified(m) for p, m in errors.items()},
+                               touched=pids)
+        res.final = final
         return res
 
     def _step(self, tl: Timeline, pid: int, name: str, call: Callable[[int], None]) -> None:
@@ -357,15 +378,25 @@ class Engine:
             return
         res.errors = {p: _describe(p, e, self.host) for p, e in failures.items()}
         held = [p for p in res.pids if p not in failures]
-        res.final = {}
+        # Report what each process is now, read back, not what was intended.
+        res.final, unread = self.read_states(res.pids, res.timeline, step="verify")
+        for pid, msg in unread.items():
+            res.errors.setdefault(pid, msg)
         note = f"no process was released; {len(held)} other(s) held" if held else ""
         raise PhaseError(res.phase, [*_lines(res.errors), note] if note else _lines(res.errors),
                          safe=False, result=res)
 
 
+class _Unverified(Exception):
+    """A process that a phase's final read found somewhere else."""
+
+
 def _describe(pid: int, exc: BaseException, host: Host) -> str:
     if isinstance(exc, ProcessGone) or (isinstance(exc, ToolError) and not host.exists(pid)):
         return f"pid {pid}: process exited"
+    if not isinstance(exc, (ToolError, EnvironmentProblem, _Unverified)):
+        text = f"{type(exc).__name__}: {exc}"
+        return f"pid {pid}: {text}"
     text = str(exc)
     return text if text.startswith(f"pid {pid}") else f"pid {pid}: {text}"
 

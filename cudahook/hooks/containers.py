@@ -4,6 +4,7 @@ its processes after a restore, and killing it when a restore cannot finish.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -68,16 +69,48 @@ def restored_pids(ctx: Context, init_pid: int, data: dict[str, Any]) -> list[int
 
 
 def kill_container(ctx: Context, init_pid: int) -> int:
-    """SIGKILL every process of the container, init first; how many died."""
+    """SIGKILL every process of the container, init first; how many were killed.
+
+    Each kill goes through a pidfd opened on the process seen when the
+    container was listed (same PID, same start time), so a PID reused in
+    between is never hit.
+    """
     try:
         pids, _ = container_pids(ctx.host, init_pid)
     except Exception:
         pids = [init_pid]
-    killed = 0
+    members = []
     for pid in sorted(pids, key=lambda p: p != init_pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
-        except ProcessLookupError:
-            continue
+        with contextlib.suppress(Exception):
+            members.append((pid, ctx.host.start_time(pid)))
+    killed = 0
+    for pid, start in members:
+        with contextlib.suppress(Exception):  # one unreadable process must not spare the rest
+            killed += kill_same(ctx.host, pid, start)
     return killed
+
+
+def kill_same(host: Any, pid: int, start: int) -> bool:
+    """SIGKILL the process `pid` only if it is still the one that started at `start`."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        # No pidfd (Linux < 5.3): the start time just read is the best check left.
+        if not host.alive(pid, start):
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            return True
+        return False
+    try:
+        # The pidfd pins the process: what /proc says now is about it.
+        if not host.alive(pid, start):
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)

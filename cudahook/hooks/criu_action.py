@@ -120,15 +120,35 @@ def pre_dump(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     except (OSError, TimeoutError) as exc:
         raise EnvironmentProblem(f"pre-dump: cannot thaw the paused container: {exc}") from exc
     try:
-        return _checkpoint(ctx, call, criu_run, init_pid)
+        # 1. Which container, with which options. Hazard: `cudahook status`
+        #    calling cuda-checkpoint on processes being locked or checkpointed;
+        #    undo: none needed - the container's busy lock keeps it out.
+        record, ctx, opts = container_for(ctx, init_pid)
+        with _busy(ctx, (record or {}).get("id")):
+            return _checkpoint(ctx, call, criu_run, init_pid, record, opts)
     finally:
         if thawed:
             ctx.host.set_frozen(init_pid, True)
 
 
-def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int) -> int:
-    # 1. Which container, with which options. An annotation can opt it out.
-    record, ctx, opts = container_for(ctx, init_pid)
+# How long a checkpoint waits for a `cudahook status` probe of the same container.
+BUSY_WAIT_S = 30.0
+
+
+@contextlib.contextmanager
+def _busy(ctx: Context, cid: str | None) -> Any:
+    from cudahook.platform import busy
+
+    try:
+        with busy.hold(ctx.settings.state_dir, cid, BUSY_WAIT_S):
+            yield
+    except busy.Busy as exc:
+        raise EnvironmentProblem(f"pre-dump: {exc}") from exc
+
+
+def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
+                record: dict[str, Any] | None, opts: Any) -> int:
+    # An annotation can opt the container out.
     cid = (record or {}).get("id")
     if opts.enabled is False:
         ctx.log("pre-dump", container=cid, skipped="disabled by annotation")
@@ -188,10 +208,20 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int) 
     try:
         result = ctx.engine.checkpoint(found.processes, fresh_states=True)
     except PhaseError as exc:
-        ctx.log("checkpoint", container=cid, error=str(exc), pids=found.pids,
+        error, rc = str(exc), int(exc.exit_code)
+        unsafe = not exc.safe
+        # Hazard: the checkpoint dropped the VMM mappings of the processes it
+        # reached, and the rollback does not bring them back. Undo: replay
+        # the state --prepare saved into them; failing that, say unsafe.
+        if with_vmm:
+            undo = undo_prepare(ctx, cid, call.image_dir, _dropped_vmm(found.processes, exc))
+            if undo:
+                error, rc, unsafe = f"{error}; {undo}", Exit.UNSAFE, True
+        ctx.log("checkpoint", container=cid, error=error, pids=found.pids, unsafe=unsafe,
                 timeline=exc.result.timeline.to_dict() if exc.result else None)
-        _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
-        return int(exc.exit_code)
+        _remember(ctx, cid, "checkpoint", ok=False, error=error, unsafe=unsafe)
+        return rc
+
     # Hazard: NVML handles (and a fork()ed child's CUDA references) survive
     # the CUDA checkpoint, and CRIU fails on them. Only now can they be told
     # from CUDA's own device files. Undo: put every process back on its GPU.
@@ -208,6 +238,11 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int) 
         except PhaseError as exc:
             message += f"; rolling back failed: {exc}"
             code = Exit.UNSAFE
+        # Their VMM mappings went with the checkpoint: replay them too.
+        undo = undo_prepare(ctx, cid, call.image_dir,
+                            [(p.pid, p.nspid) for p in found.processes]) if with_vmm else None
+        if undo:
+            message, code = f"{message}; {undo}", Exit.UNSAFE
         ctx.log("checkpoint", container=cid, error=message, pids=found.pids)
         _remember(ctx, cid, "checkpoint", ok=False, error=message)
         return code
@@ -235,12 +270,17 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int) 
     }
     try:
         manifest.write(call.image_dir, data)
-        guardian.spawn(ctx, call.criu_pid, cid, [(p, starts[p]) for p in found.pids])
+        vmm_keep = keep_vmm_state(ctx, call, criu_run, found.processes) if with_vmm else None
+        guardian.spawn(ctx, call.criu_pid, cid, [(p, starts[p]) for p in found.pids], vmm_keep)
     except Exception as exc:
         with contextlib.suppress(OSError):
             (call.image_dir / manifest.NAME).unlink()
         ctx.engine.restore(found.processes)
-        raise EnvironmentProblem(f"pre-dump: cannot record the checkpoint: {exc}") from exc
+        undo = undo_prepare(ctx, cid, call.image_dir,
+                            [(p.pid, p.nspid) for p in found.processes]) if with_vmm else None
+        raise (PhaseError("checkpoint", [f"cannot record the checkpoint: {exc}", undo],
+                          safe=False) if undo else
+               EnvironmentProblem(f"pre-dump: cannot record the checkpoint: {exc}")) from exc
 
     # 6. Handed over to CRIU: it dumps the processes, now without GPU state.
     ctx.log("checkpoint", container=cid, pids=found.pids,
@@ -257,12 +297,54 @@ def _interposer_prepare(ctx: Context, cid: str | None, procs: list[Any], call: C
     detection = vmm.detect(ctx.host, procs)
     if not detection.participates:
         return False
+    if cid:  # poststop removes these sockets, and only these
+        ctx.store.update(cid, vmm_sockets=detection.sockets)
     assert call.image_dir is not None
     output = vmm.run_coordinator(
         ctx.host, ctx.settings.tool("vmm_coordinator"), "prepare", str(ctx.host.proc),
         call.image_dir, [(p.pid, p.nspid) for p in procs], ctx.settings.vmm_timeout_s)
     ctx.log("vmm-prepare", container=cid, pids=[p.pid for p in procs], output=output)
     return True
+
+
+def _dropped_vmm(procs: list[Any], exc: PhaseError) -> list[tuple[int, int]]:
+    """(pid, nspid) of the processes a failed checkpoint had checkpointed and
+    its rollback brought back: their VMM mappings went with the checkpoint."""
+    steps = exc.result.timeline.steps if exc.result else []
+    back = {s.pid for s in steps if s.ok and s.step in ("rollback-restore", "rollback-toggle")}
+    return [(p.pid, p.nspid) for p in procs if p.pid in back]
+
+
+def undo_prepare(ctx: Context, cid: str | None, directory: Path | None,
+                 pairs: list[tuple[int, int]]) -> str | None:
+    """Replay the VMM state that --prepare saved into processes that run
+    again after a checkpoint dropped it. The error, if that failed: their
+    mappings are then lost, and the outcome is unsafe."""
+    if not pairs:
+        return None
+    if directory is None:
+        return "VMM mappings not restored: no image directory"
+    try:
+        output = vmm.run_coordinator(ctx.host, ctx.settings.tool("vmm_coordinator"), "restore",
+                                     "", directory, pairs, ctx.settings.vmm_timeout_s)
+    except CudahookError as exc:
+        return f"VMM mappings not restored: {exc}"
+    ctx.log("vmm-restore", container=cid, pids=[p for p, _ in pairs], output=output,
+            reason="rollback")
+    return None
+
+
+def keep_vmm_state(ctx: Context, call: CriuCall, criu_run: CriuRun,
+                   procs: list[Any]) -> dict[str, Any]:
+    """A private copy of the VMM state for the guardian: by the time it runs,
+    CRIU's image directory path is gone, or the image was dropped."""
+    import shutil
+
+    assert call.image_dir is not None
+    copy = criu_run.path.with_suffix(".vmm-undo")
+    copy.mkdir(mode=0o700, exist_ok=True)
+    shutil.copyfile(call.image_dir / vmm.STATE_FILE, copy / vmm.STATE_FILE)
+    return {"dir": str(copy), "nspids": {str(p.pid): p.nspid for p in procs}}
 
 
 # == restore: post-restore =====================================================
@@ -331,6 +413,18 @@ def post_resume(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     init_pid = _need_init(call)
     record, ctx, opts = container_for(ctx, init_pid)
     cid = (record or {}).get("id") or data.get("container_id")
+    from cudahook.platform import busy
+
+    # Hazard: `cudahook status` calling cuda-checkpoint on processes being
+    # restored. The container's busy lock keeps it out - but never at the
+    # cost of the restore: after the wait it goes on without the lock.
+    with busy.hold(ctx.settings.state_dir, (record or {}).get("id"), BUSY_WAIT_S,
+                   required=False):
+        return _restore(ctx, call, criu_run, data, init_pid, record, opts, cid)
+
+
+def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, Any],
+             init_pid: int, record: dict[str, Any] | None, opts: Any, cid: str | None) -> int:
     try:
         # 1. The device map post-restore settled on, and the restored
         #    processes by their namespace PIDs (host PIDs changed).
@@ -364,11 +458,24 @@ def post_resume(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         ctx.log("restore", container=cid, error=error, timeline=timeline)
         _remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline)
         return int(exc.exit_code) or Exit.FAILED
+    if vmm_dir and cid:
+        record_vmm_sockets(ctx, cid, procs, [p["nspid"] for p in data["processes"]])
     ctx.log("restore", container=cid, pids=procs, device_map=mapping,
             total_s=result.timeline.total(), timeline=result.timeline.to_dict())
     _remember(ctx, cid, "restore", ok=True, pids=procs, device_map=mapping,
               total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict())
     return Exit.OK
+
+
+def record_vmm_sockets(ctx: Context, cid: str, pids: list[int], nspids: list[int]) -> None:
+    """The restored shims' sockets are new files: record them as this
+    container's, for poststop. Best effort: without it they are only left."""
+    from cudahook.core.discovery import CudaProcess
+
+    with contextlib.suppress(Exception):
+        found = vmm.detect(ctx.host, [CudaProcess(p, n) for p, n in zip(pids, nspids, strict=True)])
+        if found.participates:
+            ctx.store.update(cid, vmm_sockets=found.sockets)
 
 
 # -- small helpers --------------------------------------------------------------

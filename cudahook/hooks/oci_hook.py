@@ -97,10 +97,10 @@ def on_poststop(state: dict) -> int:  # type: ignore[type-arg]
         mark("gpu", cid, on=False)
     if record is None:
         return Exit.OK
-    if record.get("snapshot_control"):
-        from cudahook.vmm.sockets import remove_stale_sockets
+    if record.get("snapshot_control") and isinstance(record.get("vmm_sockets"), dict):
+        from cudahook.vmm.sockets import remove_owned_sockets
 
-        remove_stale_sockets(record["snapshot_control"])
+        remove_owned_sockets(record["snapshot_control"], record["vmm_sockets"])
     store.delete(cid)
     from cudahook.platform.eventlog import log
 

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import hashlib
 import json
+import mmap
 import os
 import signal
 import sys
@@ -159,7 +160,19 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
         time.sleep(args.interval_ms / 1000)
 
 
+SHIM_LIBRARY = Path(__file__).resolve().parent / "interposer" / "libcuda-vmm-interposer.so"
+_shim_maps: list[mmap.mmap] = []
+
+
+def load_shim_library() -> None:
+    """Map the shim's library file, as the dynamic linker maps an LD_PRELOAD
+    shim: it then shows in /proc/PID/maps, whatever becomes of the socket."""
+    with open(SHIM_LIBRARY, "rb") as f:
+        _shim_maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+
+
 def start_shim(cuda: SimCuda, args: argparse.Namespace) -> None:
+    load_shim_library()
     path = os.path.join(args.vmm_dir, f"cuda-vmm-{os.getpid()}.sock")
     if args.vmm_decoy == "symlink":
         # Points at a real socket elsewhere: following it would reach the GPU service.

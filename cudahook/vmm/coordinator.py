@@ -6,8 +6,10 @@ mappings cuda-checkpoint alone does not save. Each shim listens on
 saves their state into the checkpoint before the CUDA lock, and replays it
 into the restored processes afterwards.
 
-A container where only some CUDA processes have a shim cannot be
-checkpointed consistently, so it is refused before anything is touched.
+A container where only some CUDA processes have a shim, or where a process
+has the shim loaded (seen in its mappings) without a socket of its own (the
+process listening on it, checked by SO_PEERCRED), cannot be checkpointed
+consistently, so it is refused before anything is touched.
 The container owns /snapshot-control: it is examined without following any
 symlink (see sockets.py), so a container cannot point the hook at host paths.
 """
@@ -15,52 +17,117 @@ symlink (see sockets.py), so a container cannot point the hook at host paths.
 from __future__ import annotations
 
 import os
+import re
 import stat
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cudahook.core.discovery import CudaProcess
 from cudahook.platform.errors import CudahookError, EnvironmentProblem
-from cudahook.platform.host import Host
+from cudahook.platform.host import Host, ProcessGone
 
-from .sockets import list_sockets
+from .sockets import owned_socket
 
 CONTROL_DIR = "/snapshot-control"
 STATE_FILE = "cuda-vmm.state"
 
 
 class VmmRefused(CudahookError):
-    """Some but not all CUDA processes have an interposer socket."""
+    """The interposer is present where its state cannot all be saved."""
 
 
 class CoordinatorFailed(CudahookError):
     pass
 
 
+# The interposer is an LD_PRELOAD shim: its library shows in the process's
+# mappings whether or not its socket is where the hook looks.
+SHIM_LIBRARY = re.compile(r"/lib[^/\s]*cuda[-_]?vmm[^/\s]*\.so(\.[0-9]+)*( \(deleted\))?$")
+# Reads under /proc/PID/root and of /proc/PID/maps can block (a FUSE mount,
+# a paused container, a process stuck in a page fault): each process's look
+# runs in a worker that is abandoned after this long.
+SCAN_TIMEOUT_S = 10.0
+
+
 @dataclass(frozen=True)
 class Detection:
     with_socket: list[CudaProcess]
     without: list[CudaProcess]
+    # name -> [st_dev, st_ino] of each process's own socket, for poststop
+    sockets: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def participates(self) -> bool:
         return bool(self.with_socket) and not self.without
 
 
-def detect(host: Host, procs: Sequence[CudaProcess]) -> Detection:
-    """Which CUDA processes have a valid interposer socket; refuses a partial set."""
-    have, lack = [], []
+@dataclass(frozen=True)
+class _Look:
+    shim: bool
+    socket: tuple[str, int, int] | None
+
+
+def has_shim(host: Host, pid: int) -> bool:
+    return any(SHIM_LIBRARY.search(line) for line in host.read(pid, "maps").splitlines())
+
+
+def _look(host: Host, p: CudaProcess) -> _Look:
+    return _Look(has_shim(host, p.pid),
+                 owned_socket(p.nspid, p.pid, CONTROL_DIR, str(host.proc / str(p.pid) / "root")))
+
+
+def _with_deadline(fn: Callable[[], _Look], timeout: float) -> _Look | BaseException | None:
+    """fn's result or exception, or None if it has not returned in time (its
+    thread is left behind: a blocked read cannot be interrupted)."""
+    box: list[_Look | BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # reported to the caller, below
+            box.append(exc)
+
+    t = threading.Thread(target=run, name="vmm-scan", daemon=True)
+    t.start()
+    t.join(timeout)
+    return box[0] if box else None
+
+
+def detect(host: Host, procs: Sequence[CudaProcess], timeout: float | None = None) -> Detection:
+    """Which CUDA processes have their own interposer socket; refuses any set
+    where the interposer is present and a process lacks its socket."""
+    limit = SCAN_TIMEOUT_S if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    looks: dict[int, _Look] = {}
     for p in procs:
-        sockets = list_sockets(CONTROL_DIR, base=str(host.proc / str(p.pid) / "root"))
-        (have if p.nspid in sockets else lack).append(p)
-    result = Detection(have, lack)
-    if have and lack:
-        names = ", ".join(f"pid {p.pid} (namespace pid {p.nspid})" for p in lack)
+        got = _with_deadline(lambda p=p: _look(host, p), max(0.0, deadline - time.monotonic()))
+        if got is None:
+            raise VmmRefused(
+                f"cannot inspect pid {p.pid} for the CUDA VMM interposer within {limit:g}s "
+                f"(a blocked {CONTROL_DIR} or a stuck process?): refusing the checkpoint")
+        if isinstance(got, BaseException):
+            if isinstance(got, ProcessGone):
+                raise VmmRefused(f"pid {p.pid} exited while looking for the CUDA VMM "
+                                 "interposer: refusing the checkpoint")
+            raise VmmRefused(f"cannot inspect pid {p.pid} for the CUDA VMM interposer "
+                             f"({type(got).__name__}: {got}): refusing the checkpoint")
+        looks[p.pid] = got
+    have = [p for p in procs if looks[p.pid].socket]
+    lack = [p for p in procs if not looks[p.pid].socket]
+    shimmed = [p for p in lack if looks[p.pid].shim]
+    if lack and (have or shimmed):
+        names = ", ".join(
+            f"pid {p.pid} (namespace pid {p.nspid}"
+            + (", interposer loaded" if looks[p.pid].shim else "") + ")" for p in lack)
         raise VmmRefused(
-            f"CUDA VMM interposer active in {len(have)} of {len(procs)} CUDA processes; "
-            f"no valid {CONTROL_DIR}/cuda-vmm-<pid>.sock for {names}: refusing the checkpoint")
-    return result
+            f"CUDA VMM interposer active in {len(have) + len(shimmed)} of {len(procs)} CUDA "
+            f"processes; no {CONTROL_DIR}/cuda-vmm-<pid>.sock of its own for {names}: "
+            "refusing the checkpoint")
+    sockets = {s[0]: [s[1], s[2]] for p in have if (s := looks[p.pid].socket)}
+    return Detection(have, lack, sockets)
 
 
 def has_state(image_dir: Path) -> bool:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import stat
+import struct
 from collections.abc import Iterator
 
 # Used with fullmatch: "$" alone also matches before a trailing newline, and a
@@ -71,13 +73,73 @@ def list_sockets(path: str, base: str = "/") -> dict[int, str]:
         os.close(dfd)
 
 
-def remove_stale_sockets(path: str) -> int:
+def socket_name(nspid: int) -> str:
+    return f"cuda-vmm-{nspid}.sock"
+
+
+def listener_pid(dfd: int, name: str, timeout: float = 2.0) -> int | None:
+    """PID (in our namespace) of the process listening on the socket `name`
+    in the directory fd; None if nobody listens.
+
+    SO_PEERCRED names the process that called listen(): a socket of the same
+    name bound by another container's process sharing the directory is told
+    apart from this one's. The connection is closed without a word.
+    """
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout)
+        s.connect(f"/proc/self/fd/{dfd}/{name}")
+        pid, _uid, _gid = struct.unpack(
+            "3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return pid or None
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
+def owned_socket(nspid: int, pid: int, path: str, base: str) -> tuple[str, int, int] | None:
+    """(name, st_dev, st_ino) of the socket cuda-vmm-<nspid>.sock in `path`
+    under `base` if it is a socket that process `pid` listens on."""
+    dfd = open_dir_nofollow(path, base)
+    if dfd is None:
+        return None
+    try:
+        name = socket_name(nspid)
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISSOCK(st.st_mode) or listener_pid(dfd, name) != pid:
+            return None
+        return name, st.st_dev, st.st_ino
+    finally:
+        os.close(dfd)
+
+
+def remove_owned_sockets(path: str, owned: dict[str, list[int]]) -> int:
+    """Remove the sockets recorded as this container's: same name, same file
+    (device and inode), and nobody listening on it any more. A shared
+    directory's other entries, including a live socket that took one of these
+    names, are left alone."""
+    if not owned:
+        return 0
     dfd = open_dir_nofollow(path)
     if dfd is None:
         return 0
     try:
         removed = 0
-        for _nspid, name in list(_sockets_in(dfd)):
+        for name, ident in owned.items():
+            if not SOCKET_NAME.fullmatch(name) or not isinstance(ident, list) or len(ident) != 2:
+                continue
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISSOCK(st.st_mode) or [st.st_dev, st.st_ino] != ident:
+                continue
+            if listener_pid(dfd, name) is not None:
+                continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=dfd)
                 removed += 1

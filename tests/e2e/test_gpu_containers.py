@@ -263,3 +263,27 @@ def test_simulated_device_nodes_fail_the_dump_like_real_ones(make_env, tmp_path)
     r = env.box.checkpoint(cid, tmp_path / "img")
     assert r.returncode != 0
     assert env.box.state(cid)["status"] == "running"
+
+
+def test_status_on_a_paused_container_answers_at_once(make_env) -> None:  # type: ignore[no-untyped-def]
+    """A frozen CUDA process cannot answer cuda-checkpoint: status says so
+    instead of waiting for it."""
+    import subprocess
+    import sys
+
+    env = make_env()
+    cid, _bundle, tags = start(env, workloads=[("solo", {"mib": 1})], others=[])
+    assert env.box.pause(cid).returncode == 0
+    try:
+        t = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(env.config),
+                            "status"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert time.monotonic() - t < 8
+        assert "container paused: processes not probed" in r.stdout, r.stdout
+    finally:
+        assert env.box.resume(cid).returncode == 0
+    env.wait_running(tags, env.counters(tags))
+    r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(env.config), "status"],
+                       capture_output=True, text=True, timeout=60)
+    assert "running" in r.stdout and "nspid" in r.stdout, r.stdout

@@ -143,12 +143,51 @@ def test_decoys_count_as_missing_and_are_never_followed(make_env, tmp_path, deco
     assert env.lab.vmm_calls() == []
 
 
-def test_symlinked_control_dir_counts_as_no_sockets(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_symlinked_control_dir_with_the_interposer_loaded_is_refused(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The shims serve through a symlink the hook does not follow: without
+    their sockets the VMM state would be lost, and the shims are there."""
     env = make_env()
-    cid, _, _, _ = start(env, tmp_path, control=False, control_symlink="/tmp", others=[])
+    cid, _, _, tags = start(env, tmp_path, control=False, control_symlink="/tmp", others=[])
+    _refused(env, tmp_path, cid, tags, "interposer loaded")
+    assert env.lab.vmm_calls() == []
+
+
+def test_symlinked_control_dir_without_interposer_is_a_plain_checkpoint(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, _, _, _ = start(env, tmp_path, vmm=False, control=False, control_symlink="/tmp",
+                         others=[])
     assert env.box.checkpoint(cid, tmp_path / "img").returncode == 0
     assert manifest.read(tmp_path / "img")["vmm"] is False
     assert env.lab.vmm_calls() == []
+
+
+def test_containers_sharing_a_control_dir_with_colliding_pids(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Both containers' shims are cuda-vmm-<same nspid>.sock in one directory:
+    the later one took the names. The earlier container's processes have no
+    socket of their own and are refused, never saved with the other's state;
+    the later one checkpoints with its own."""
+    env = make_env()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cids, tags = [], []
+    for name, tag in (("b1", "x"), ("b2", "y")):
+        bundle = env.box.bundle(name, [(tag, {"mib": 1, "vmm": True})], snapshot_control=shared,
+                                others=[])
+        cid = env.cid()
+        assert env.box.run(cid, bundle).returncode == 0, name
+        env.wait_running([tag], steps=3)
+        cids.append(cid)
+        tags.append(tag)
+    nspids = {env.lab.status(t)["pid"] for t in tags}
+    assert len(nspids) == 1  # the collision this test is about
+    _refused(env, tmp_path, cids[0], ["x"], "interposer loaded")
+    assert env.lab.vmm_calls() == []
+    image = tmp_path / "img2"
+    assert env.box.checkpoint(cids[1], image).returncode == 0
+    assert manifest.read(image)["vmm"] is True
+    # b1 is untouched by b2's checkpoint and poststop.
+    assert (shared / f"cuda-vmm-{nspids.pop()}.sock").exists() is False
+    env.wait_running(["x"], env.counters(["x"]))
 
 
 def test_coordinator_failure_at_prepare_rolls_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -190,3 +229,74 @@ def test_coordinator_before_unlock_option(make_env, tmp_path) -> None:  # type: 
     assert env.box.restore(cid, bundle, image).returncode == 0
     env.wait_running(tags, frozen)
     assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
+
+
+def test_rollback_after_prepare_brings_the_mappings_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The checkpoint of the second of two VMM workloads fails: both are
+    rolled back onto the GPU with their VMM mappings, or it says unsafe."""
+    env = make_env()
+    workloads = [("a", {"mib": 1, "vmm": True}), ("b", {"mib": 1, "vmm": True})]
+    cid, _, _, tags = start(env, tmp_path, workloads=workloads, others=[])
+    env.lab.fault("checkpoint", tag="b", code=2)
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    env.lab.clear_faults()
+    # Counted from now: a memory check (VMM mapping included) after the rollback.
+    env.wait_running(tags, env.counters(tags))
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
+    assert "out of memory" in env.events("checkpoint")[-1]["error"]
+    assert env.box.state(cid)["status"] == "running"
+
+
+def test_leave_running_brings_the_mappings_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, _, _, tags = start(env, tmp_path, others=[])
+    r = env.box.checkpoint(cid, tmp_path / "img", leave_running=True)
+    assert r.returncode == 0, r.stderr
+    env.wait_event("guardian", lambda e: "resumed" in e.get("outcome", ""))
+    env.wait_running(tags, env.counters(tags))
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
+
+
+def test_failed_dump_brings_the_mappings_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    holder = ("/usr/bin/python3 -c 'import socket,time; s=socket.socket(socket.AF_UNIX); "
+              "s.connect(\"/run/cuda-sim/gpu.sock\"); time.sleep(1e6)'")
+    cid, _, _, tags = start(env, tmp_path, others=[holder])
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    assert "External socket" in (tmp_path / "img.work" / "dump.log").read_text()
+    env.wait_event("guardian", lambda e: "resumed" in e.get("outcome", ""))
+    env.wait_running(tags, env.counters(tags))
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
+
+
+def test_mappings_that_cannot_come_back_are_reported_unsafe(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    workloads = [("a", {"mib": 1, "vmm": True}), ("b", {"mib": 1, "vmm": True})]
+    cid, _, _, _ = start(env, tmp_path, workloads=workloads, others=[])
+    env.lab.fault("checkpoint", tag="b", code=2)
+    env.lab.fault("vmm-restore", message="replay failed")
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    ev = env.wait_event("checkpoint", lambda e: "error" in e)
+    assert "replay failed" in ev["error"] and ev.get("unsafe") is True
+    with open(env.config) as f:
+        state_dir = __import__("yaml").safe_load(f)["state_dir"]
+    hist = __import__("json").loads((Path(state_dir) / "history" / f"{cid}.json").read_text())
+    assert hist["checkpoint"]["ok"] is False and hist["checkpoint"].get("unsafe") is True
+
+
+def test_poststop_removes_the_restored_containers_own_sockets(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, ctl, tags = start(env, tmp_path, others=[])
+    (ctl / "keep").write_text("not ours")
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    assert sorted(p.name for p in ctl.iterdir()) == ["keep"]  # the dumped container's poststop
+    frozen = env.frozen(tags)
+    assert env.box.restore(cid, bundle, image).returncode == 0
+    env.wait_running(tags, frozen)
+    assert len(list(ctl.glob("cuda-vmm-*.sock"))) == len(tags)
+    env.box.delete(cid)
+    assert sorted(p.name for p in ctl.iterdir()) == ["keep"]

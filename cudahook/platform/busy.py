@@ -1,0 +1,79 @@
+"""Whether a cudahook operation is moving a container's CUDA processes now.
+
+A checkpoint (pre-dump), and the guardian while it restores, hold the
+container's busy lock exclusively. `cudahook status` takes it shared without
+waiting and, if it cannot, probes nothing: a cuda-checkpoint call on a
+process in the middle of a lock or checkpoint can hang or disturb it. While
+status holds it, a checkpoint waits for it, for a bounded time. The lock is
+an flock: it dies with its holder, so a killed hook leaves nothing held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .store import check_id, ensure_private_dir
+
+
+class Busy(Exception):
+    """Another operation held the container's lock past the wait."""
+
+
+def _open(state_dir: str, container_id: str) -> int:
+    d = ensure_private_dir(ensure_private_dir(Path(state_dir)) / "busy")
+    return os.open(d / f"{check_id(container_id)}.lock",
+                   os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+@contextlib.contextmanager
+def hold(state_dir: str, container_id: str | None, wait_s: float, *,
+         required: bool = True) -> Iterator[None]:
+    """Hold the container's lock exclusively; Busy after wait_s. Not
+    `required`: go on without it instead (after the wait, or when the lock
+    file cannot be had), for a restore that matters more than the lock."""
+    fd = -1
+    try:
+        if container_id:
+            try:
+                fd = _open(state_dir, container_id)
+            except Exception:
+                if required:
+                    raise
+            deadline = time.monotonic() + wait_s
+            while fd >= 0:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    elif required:
+                        raise Busy(f"another cudahook operation on container {container_id} "
+                                   f"still runs after {wait_s:g}s") from None
+                    else:
+                        break
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def peek(state_dir: str, container_id: str) -> Iterator[bool]:
+    """True (and held shared until the block ends) if nothing is moving the
+    container's processes; False at once if something is."""
+    fd = _open(state_dir, container_id)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)

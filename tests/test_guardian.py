@@ -1,0 +1,111 @@
+"""The guardian waits for CRIU's exit, and only for that, before it restores."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cudahook.core.discovery import discover
+from cudahook.hooks import guardian
+from cudahook.platform.host import Host
+
+from .conftest import Node
+
+
+def _no_pidfd(pid: int, flags: int = 0) -> int:
+    raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+
+def _checkpointed(node: Node) -> tuple[list[int], dict[str, int], Any]:
+    init = node.spawn_tree(("a", {"mib": 2}), ("b", {"mib": 1, "procs": 2}))
+    tags = ["a", "b.0", "b.1"]
+    for t in tags:
+        node.lab.wait_counter(t, 2)
+    engine = node.engine()
+    procs = discover(engine.host, engine.backend, init.pid, engine.settings.device_regex).processes
+    assert len(procs) == 3
+    engine.checkpoint(procs)
+    return [p.pid for p in procs], {t: node.lab.status(t)["counter"] for t in tags}, engine
+
+
+def _args(node: Node, criu: subprocess.Popen[bytes], pids: list[int]) -> str:
+    host = Host()
+    return json.dumps({
+        "criu_pid": criu.pid, "criu_start": host.start_time(criu.pid), "container": "c1",
+        "procs": [(p, host.start_time(p)) for p in pids],
+        "settings": asdict(node.settings()),
+    })
+
+
+def _events(node: Node) -> list[dict[str, Any]]:
+    log = Path(node.settings().log_file)
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+
+def _wait_intact(node: Node, since: dict[str, int]) -> None:
+    for tag, before in since.items():
+        st = node.lab.wait_counter(tag, before + 11)  # past one more memory check
+        assert st["intact"] and st["errors"] == [], st
+
+
+def test_without_pidfd_open_it_polls_and_waits_for_criu(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSYS from pidfd_open (Linux < 5.3) is no sign that CRIU has exited."""
+    monkeypatch.setattr(os, "pidfd_open", _no_pidfd)
+    pids, frozen, engine = _checkpointed(node)
+    criu = subprocess.Popen(["sleep", "60"])
+    rc: list[int] = []
+    t = threading.Thread(target=lambda: rc.append(guardian.main(_args(node, criu, pids))))
+    t.start()
+    try:
+        time.sleep(1.5)
+        assert t.is_alive() and rc == []
+        assert {engine.read_state(p) for p in pids} == {"checkpointed"}  # CRIU still dumps
+    finally:
+        criu.kill()
+        criu.wait()
+    t.join(60)
+    assert rc == [0]
+    assert {engine.read_state(p) for p in pids} == {"running"}
+    _wait_intact(node, frozen)
+    assert "resumed" in _events(node)[-1]["outcome"]
+
+
+def test_never_proceeds_while_criu_lives(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guardian, "MAX_WAIT_S", 1)
+    pids, frozen, engine = _checkpointed(node)
+    criu = subprocess.Popen(["sleep", "60"])
+    try:
+        t0 = time.monotonic()
+        assert guardian.main(_args(node, criu, pids)) == 1
+        assert 1 <= time.monotonic() - t0 < 10
+        assert {engine.read_state(p) for p in pids} == {"checkpointed"}
+        assert "still running" in _events(node)[-1]["error"]
+    finally:
+        criu.kill()
+        criu.wait()
+    assert engine.restore(pids).ok
+    _wait_intact(node, frozen)
+
+
+def test_wait_exit_tells_a_reused_pid_from_criu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "pidfd_open", _no_pidfd)
+    host = Host()
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        start = host.start_time(p.pid)
+        assert guardian.wait_exit(p.pid, start, host, max_wait_s=0.3) is False
+        assert guardian.wait_exit(p.pid, start + 1, host, max_wait_s=5) is True  # another process
+    finally:
+        p.kill()
+        p.wait()
+    assert guardian.wait_exit(p.pid, start, host, max_wait_s=5) is True
