@@ -102,7 +102,8 @@ class Driver:
         if op == "get-state":
             out = ctypes.c_int(-1)
             _check(lib.cuCheckpointProcessGetState(pid, ctypes.byref(out)))
-            return STATES.get(out.value, f"state {out.value}")
+            # A value this cuda.h does not name: cuda-checkpoint prints "unknown".
+            return STATES.get(out.value, "unknown")
         if op == "get-restore-tid":
             out = ctypes.c_int(0)
             _check(lib.cuCheckpointProcessGetRestoreThreadId(pid, ctypes.byref(out)))

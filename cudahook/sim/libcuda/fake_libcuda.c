@@ -661,7 +661,7 @@ EXPORT CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state) {
     else if (strcmp(word, "restoring") == 0)
         *state = (CUprocessState)5;
     else
-        return CUDA_ERROR_UNKNOWN; /* a process the driver cannot place */
+        *state = (CUprocessState)0x7fffffff; /* a state the driver cannot place */
     return CUDA_SUCCESS;
 }
 
