@@ -5,6 +5,12 @@ context: CRIU refuses to dump a connected Unix socket whose peer is outside
 the container, exactly as it refuses a live /dev/nvidia* mapping, and when a
 client disconnects or dies its memory is freed, as the driver frees a dead
 process's allocations. Whatever was not copied out first is gone.
+
+Copies between device and host memory (a checkpoint's download, a
+restore's upload) go over the GPU's link at the configured bandwidth
+(`bandwidth_mib_s`, per GPU or for the node): processes on different GPUs
+copy in parallel, processes on one GPU take turns on its link, so a phase
+takes at least its largest per-GPU byte count over the link's bandwidth.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class Device:
     total: int  # bytes
     used: int = 0
     users: dict[int, int] = field(default_factory=dict)  # client pid -> bytes
+    bandwidth: float = 0.0  # MiB/s over the link; 0: unlimited
+    link_free_at: float = 0.0  # monotonic time the link's queued copies end
 
 
 @dataclass
@@ -55,8 +63,10 @@ class Client:
 class GpuService:
     def __init__(self, config: dict[str, Any]):
         self.config = config
+        node_bandwidth = float(config.get("bandwidth_mib_s") or 0)
         self.devices = [
-            Device(i, g["uuid"], g.get("name", "NVIDIA Simulated GPU"), g["memory_mib"] << 20)
+            Device(i, g["uuid"], g.get("name", "NVIDIA Simulated GPU"), g["memory_mib"] << 20,
+                   bandwidth=float(g.get("bandwidth_mib_s", node_bandwidth) or 0))
             for i, g in enumerate(config["gpus"])
         ]
         self.by_uuid = {d.uuid: d for d in self.devices}
@@ -133,8 +143,7 @@ class GpuService:
             with self.lock:
                 client.device, client.kind = dev, msg.get("kind", "cuda")
                 dev.users.setdefault(client.pid, 0)
-            return {"index": dev.index, "uuid": dev.uuid,
-                    "bandwidth_mib_s": self.config.get("bandwidth_mib_s", 0)}, b""
+            return {"index": dev.index, "uuid": dev.uuid, "bandwidth_mib_s": dev.bandwidth}, b""
         if op in ("alloc", "upload"):
             size = len(payload) if op == "upload" else int(msg["size"])
             with self.lock:
@@ -142,6 +151,7 @@ class GpuService:
                 handle = self.next_handle
                 self.next_handle += 1
             if op == "upload":
+                self._wait(self._reserve(self._device(client), size))
                 buf = bytearray(payload)
             elif "seed" in msg:
                 buf = bytearray(pattern(int(msg["seed"]), size))
@@ -150,7 +160,11 @@ class GpuService:
             client.buffers[handle] = buf
             return {"handle": handle}, b""
         if op == "download":
-            return {}, bytes(self._buffer(client, msg))
+            buf = self._buffer(client, msg)
+            done = self._reserve(self._device(client), len(buf))
+            data = bytes(buf)  # the host-side work runs inside the link's time
+            self._wait(done)
+            return {}, data
         if op == "digest":
             return {"sha256": hashlib.sha256(self._buffer(client, msg)).hexdigest()}, b""
         if op == "incr":
@@ -170,6 +184,22 @@ class GpuService:
                     client.device.users[client.pid] -= len(buf)
             return {}, b""
         raise CudaError(INVALID_VALUE, f"unknown op {op!r}")
+
+    def _reserve(self, dev: Device, size: int) -> float:
+        """Queue a copy of `size` bytes on the GPU's link; when it ends."""
+        if dev.bandwidth <= 0 or size <= 0:
+            return 0.0
+        cost = size / (dev.bandwidth * (1 << 20))
+        with self.lock:
+            start = max(time.monotonic(), dev.link_free_at)
+            dev.link_free_at = start + cost
+        return start + cost
+
+    @staticmethod
+    def _wait(until: float) -> None:
+        left = until - time.monotonic()
+        if left > 0:
+            time.sleep(left)
 
     def info(self) -> dict[str, Any]:
         with self.lock:
