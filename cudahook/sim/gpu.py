@@ -35,7 +35,6 @@ from .protocol import (
     CudaError,
     bind_unix,
     pattern,
-    recv,
     send,
 )
 
@@ -87,9 +86,10 @@ class GpuService:
         try:
             while True:
                 try:
-                    msg, payload = recv(stream)
+                    msg, payload, arrived = _recv_timed(stream)
                 except (EOFError, OSError, ValueError):
                     return
+                msg["_arrived"] = arrived
                 try:
                     reply, data = self.handle(client, msg, payload)
                     reply["ok"] = True
@@ -151,7 +151,8 @@ class GpuService:
                 handle = self.next_handle
                 self.next_handle += 1
             if op == "upload":
-                self._wait(self._reserve(self._device(client), size))
+                # The payload crossed the socket while its turn on the link ran.
+                self._wait(self._reserve(self._device(client), size, msg.get("_arrived", 0.0)))
                 buf = bytearray(payload)
             elif "seed" in msg:
                 buf = bytearray(pattern(int(msg["seed"]), size))
@@ -161,10 +162,13 @@ class GpuService:
             return {"handle": handle}, b""
         if op == "download":
             buf = self._buffer(client, msg)
-            done = self._reserve(self._device(client), len(buf))
-            data = bytes(buf)  # the host-side work runs inside the link's time
-            self._wait(done)
-            return {}, data
+            dev = self._device(client)
+            until = self._reserve(dev, len(buf))
+            if until:
+                self._wait(until - len(buf) / (dev.bandwidth * (1 << 20)))  # our turn
+            # The bytes cross the socket inside the copy's time on the link; the
+            # client waits out the rest (clocks: CLOCK_MONOTONIC, one per host).
+            return {"link_until": until}, bytes(buf)
         if op == "digest":
             return {"sha256": hashlib.sha256(self._buffer(client, msg)).hexdigest()}, b""
         if op == "incr":
@@ -185,13 +189,14 @@ class GpuService:
             return {}, b""
         raise CudaError(INVALID_VALUE, f"unknown op {op!r}")
 
-    def _reserve(self, dev: Device, size: int) -> float:
-        """Queue a copy of `size` bytes on the GPU's link; when it ends."""
+    def _reserve(self, dev: Device, size: int, since: float = 0.0) -> float:
+        """Queue a copy of `size` bytes on the GPU's link, starting no earlier
+        than `since` (default: now); when it ends (0: the link is unlimited)."""
         if dev.bandwidth <= 0 or size <= 0:
             return 0.0
         cost = size / (dev.bandwidth * (1 << 20))
         with self.lock:
-            start = max(time.monotonic(), dev.link_free_at)
+            start = max(since or time.monotonic(), dev.link_free_at)
             dev.link_free_at = start + cost
         return start + cost
 
@@ -225,6 +230,20 @@ class GpuService:
         kinds = {c.pid: c.kind for c in self.clients.values() if c.device is dev}
         return [(pid, used, kinds.get(pid, "cuda")) for pid, used in sorted(dev.users.items())
                 if pid in kinds]
+
+
+def _recv_timed(inp: Any) -> tuple[dict[str, Any], bytes, float]:
+    """protocol.recv, plus when the request's line arrived (before its payload)."""
+    line = inp.readline()
+    if not line:
+        raise EOFError("peer closed the connection")
+    arrived = time.monotonic()
+    msg = json.loads(line)
+    size = int(msg.get("len", 0))
+    payload = inp.read(size) if size else b""
+    if len(payload) != size:
+        raise EOFError("peer closed the connection mid-payload")
+    return msg, payload, arrived
 
 
 def serve(sim_dir: Path) -> None:

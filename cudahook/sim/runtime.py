@@ -318,9 +318,13 @@ class SimCuda:
             for name, handle in self.buffers.items():
                 if name in self.vmm:
                     continue  # VMM mappings are the interposer's to save
-                # The GPU service paces the copy over the GPU's link.
-                _, data = self._call({"op": "download", "handle": handle})
+                # The GPU service paces the copy over the GPU's link: the bytes
+                # arrive within the copy's time, the rest is waited out here.
+                reply, data = self._call({"op": "download", "handle": handle})
                 copy[name] = data
+                left = float(reply.get("link_until") or 0) - time.monotonic()
+                if left > 0:
+                    time.sleep(left)
         except GpuLost as exc:
             self._undo(LOCKED, during)
             raise CudaError(UNKNOWN, str(exc)) from exc
