@@ -35,6 +35,7 @@ from .protocol import (
     CudaError,
     bind_unix,
     pattern,
+    read_payload,
     send,
 )
 
@@ -153,7 +154,7 @@ class GpuService:
             if op == "upload":
                 # The payload crossed the socket while its turn on the link ran.
                 self._wait(self._reserve(self._device(client), size, msg.get("_arrived", 0.0)))
-                buf = bytearray(payload)
+                buf = payload if isinstance(payload, bytearray) else bytearray(payload)
             elif "seed" in msg:
                 buf = bytearray(pattern(int(msg["seed"]), size))
             else:
@@ -168,7 +169,9 @@ class GpuService:
                 self._wait(until - len(buf) / (dev.bandwidth * (1 << 20)))  # our turn
             # The bytes cross the socket inside the copy's time on the link; the
             # client waits out the rest (clocks: CLOCK_MONOTONIC, one per host).
-            return {"link_until": until}, bytes(buf)
+            # A view, not a copy: this connection serves one request at a time,
+            # so nothing of this client writes the buffer while it is sent.
+            return {"link_until": until}, memoryview(buf)
         if op == "digest":
             return {"sha256": hashlib.sha256(self._buffer(client, msg)).hexdigest()}, b""
         if op == "incr":
@@ -239,11 +242,7 @@ def _recv_timed(inp: Any) -> tuple[dict[str, Any], bytes, float]:
         raise EOFError("peer closed the connection")
     arrived = time.monotonic()
     msg = json.loads(line)
-    size = int(msg.get("len", 0))
-    payload = inp.read(size) if size else b""
-    if len(payload) != size:
-        raise EOFError("peer closed the connection mid-payload")
-    return msg, payload, arrived
+    return msg, read_payload(inp, int(msg.get("len", 0))), arrived
 
 
 def serve(sim_dir: Path) -> None:
