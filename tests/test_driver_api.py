@@ -100,6 +100,7 @@ def test_errors_carry_pid_action_and_the_drivers_name(node) -> None:  # type: ig
         backend.lock(pid, 1000)
     e = err.value
     assert (e.pid, e.action, e.returncode, e.timed_out) == (pid, "lock", 2, False)
+    assert f"pid {pid}: lock CUresult 2: Could not lock on process ID {pid}" in str(e)
     assert '"out of memory"' in e.stderr and "CUDA_ERROR_OUT_OF_MEMORY" in e.stderr
     backend.lock(pid, 1000)  # the fault was for one call
     with pytest.raises(ToolError) as err:

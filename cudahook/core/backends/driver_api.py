@@ -242,7 +242,8 @@ class DriverAPI:
                 if hello.get("stage") == "init":
                     raise ToolError(pid, action, int(hello.get("code", 999)),
                                     f'Error initializing CUDA: "{hello.get("error")}" '
-                                    f'({hello.get("name")}, {hello.get("code")})')
+                                    f'({hello.get("name")}, {hello.get("code")})',
+                                    status="CUresult")
                 raise EnvironmentProblem(
                     f"libcuda not usable at {self.library}: "
                     f"{hello.get('error') or helper.dead or 'no answer'}")
@@ -259,7 +260,7 @@ class DriverAPI:
             code = int(reply.get("code", 999))
             raise ToolError(pid, action, code,
                             fail_text(action, pid, str(reply.get("error")),
-                                      str(reply.get("name")), code))
+                                      str(reply.get("name")), code), status="CUresult")
         return reply.get("value")
 
     def get_state(self, pid: int) -> str:
