@@ -1,4 +1,4 @@
-"""Run every benchmark (P1..P5) and print a summary table of ratios vs targets.
+"""Run every benchmark (P1..P7) and print a summary table of ratios vs targets.
 
     python bench/run_all.py [--quick] [--reps N] [--json FILE] [--only P1,P4]
     python -m bench ...
@@ -24,6 +24,8 @@ from bench import (
     p3_gpu_phases,
     p4_discovery,
     p5_container_start,
+    p6_driver_api,
+    p7_link_limit,
 )
 from bench.common import execute, meta, write_json
 
@@ -33,6 +35,8 @@ BENCHES = {
     "P3": p3_gpu_phases,
     "P4": p4_discovery,
     "P5": p5_container_start,
+    "P6": p6_driver_api,
+    "P7": p7_link_limit,
 }
 
 

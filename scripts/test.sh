@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the test suite needs on a fresh Debian 12 machine (runc,
-# CRIU 4.1, containerd, docker, the Python test tools), then run the linter
+# CRIU 4.1, containerd, docker, gcc, the Python test tools), then run the linter
 # and the whole suite. Run as root: the end-to-end tests drive
 # real runc and CRIU. Extra arguments go to pytest.
 set -euo pipefail
@@ -14,6 +14,11 @@ fi
 bash scripts/provision-criu.sh --prefix "$PWD/.cache/criu" --link ""
 bash scripts/provision-runtimes.sh
 bash scripts/dev-env.sh --test
+# The simulated node's libcuda.so.1 is C, built by the suite with the system compiler.
+if ! command -v gcc >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null
+fi
 .venv/bin/ruff check .
 export CUDAHOOK_CRIU="$PWD/.cache/criu/bin/criu"
 exec .venv/bin/python -m pytest "$@"

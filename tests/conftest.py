@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cudahook.core.backends.cli import CudaCheckpointCLI
+from cudahook.core.backends import make_backend
 from cudahook.core.engine import Engine
 from cudahook.platform.host import Host
 from cudahook.sim.lab import SimLab
@@ -45,11 +45,26 @@ def node_untouched() -> Iterator[None]:
     assert not changes, "the suite changed the node:\n" + "\n".join(changes[:50])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fake_libcuda() -> Path:
+    """The simulated node's libcuda.so.1, compiled once for the session."""
+    from cudahook.sim import fakelib
+
+    return fakelib.build()
+
+
+@pytest.fixture
+def backend_kind() -> str:
+    """The backend `Node.engine` drives; test modules parametrise it."""
+    return "cli"
+
+
 class Node:
     """A simulated GPU node plus the workloads a test started on it."""
 
-    def __init__(self, root: Path, **kw: object):
+    def __init__(self, root: Path, backend: str = "cli", **kw: object):
         self.lab = SimLab(root, **kw).start()  # type: ignore[arg-type]
+        self.backend = backend
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def spawn(self, tag: str, **opts: object) -> subprocess.Popen[bytes]:
@@ -68,12 +83,12 @@ class Node:
         return p
 
     def settings(self, **over: object):  # type: ignore[no-untyped-def]
-        return self.lab.settings(**over)
+        return self.lab.settings(**{"backend": self.backend, **over})
 
     def engine(self, **over: object) -> Engine:
         settings = self.settings(**over)
         host = Host()
-        return Engine(CudaCheckpointCLI(host, settings), settings, host)
+        return Engine(make_backend(settings, host), settings, host)
 
     def close(self) -> None:
         for p in self.procs:
@@ -84,11 +99,13 @@ class Node:
 
 
 @pytest.fixture
-def make_node(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+def make_node(tmp_path: Path, backend_kind: str) -> Iterator:  # type: ignore[type-arg]
     nodes: list[Node] = []
 
     def make(name: str = "node", **kw: object) -> Node:
-        node = Node(tmp_path / name, **kw)
+        if backend_kind == "driver-api" and int(kw.get("driver", 580)) < 570:  # type: ignore[call-overload]
+            pytest.skip("the checkpoint driver API needs driver R570 or newer")
+        node = Node(tmp_path / name, backend_kind, **kw)
         nodes.append(node)
         return node
 

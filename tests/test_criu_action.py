@@ -192,7 +192,8 @@ print(json.dumps([rcs, states]))
 """
 
 
-def test_pre_dump_runs_once_per_criu_run(node: Node, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend_kind", ["cli", "driver-api"])
+def test_pre_dump_runs_once_per_criu_run(node: Node, tmp_path: Path, backend_kind: str) -> None:
     """CRIU runs each action twice; the run is keyed by the parent (CRIU) PID."""
     script = install(tmp_path, node)
     image = tmp_path / "img"

@@ -1,4 +1,5 @@
-"""The engine against real processes on every emulated driver branch."""
+"""The engine against real processes on every emulated driver branch, through
+both backends: the cuda-checkpoint CLI and the driver API (the fake libcuda)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from cudahook.core.discovery import discover
 from cudahook.platform.errors import EnvironmentProblem, Exit, PhaseError
 
 from .conftest import DRIVERS
+
+
+@pytest.fixture(params=["cli", "driver-api"])
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 WORKLOADS = (
     ("solo", {"mib": 8}),

@@ -419,3 +419,31 @@ def test_cuda_13_4_reports_checkpointing_and_restoring_meanwhile(make_node) -> N
     assert cc(node, "--action", "unlock", "--pid", pid).returncode == 0
     st = node.lab.wait_counter("w", node.lab.status("w")["counter"] + 11)
     assert st["intact"] and not st["errors"]
+
+
+def test_copies_share_a_gpus_link_and_run_in_parallel_across_gpus(make_node) -> None:  # type: ignore[no-untyped-def]
+    import concurrent.futures
+
+    node = make_node(gpus=2, bandwidth_mib_s=16)
+
+    def checkpoint_all(pids: list[int]) -> float:
+        for pid in pids:
+            assert cc(node, "--action", "lock", "--pid", str(pid)).returncode == 0
+        t = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(len(pids)) as pool:
+            codes = list(pool.map(lambda p: cc(node, "--action", "checkpoint", "--pid",
+                                                str(p)).returncode, pids))
+        assert codes == [0] * len(pids)
+        took = time.monotonic() - t
+        for pid in pids:
+            assert cc(node, "--action", "restore", "--pid", str(pid)).returncode == 0
+            assert cc(node, "--action", "unlock", "--pid", str(pid)).returncode == 0
+        return took
+
+    apart = [node.spawn(f"a{i}", mib=8, gpu=i).pid for i in range(2)]
+    together = [node.spawn(f"t{i}", mib=8, gpu=0).pid for i in range(2)]
+    for tag in ("a0", "a1", "t0", "t1"):
+        node.lab.wait_counter(tag)
+    one_copy = 8 / 16
+    assert checkpoint_all(apart) < 2 * one_copy  # two links side by side
+    assert checkpoint_all(together) >= 2 * one_copy  # one link, taken in turns

@@ -169,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
     backend = make_backend(settings, host)
     if args.cmd == "features":
         f = backend.features
-        _emit(args, f.__dict__, f.describe())
+        # Which backend runs the calls, and why (`backend: auto` decides per node).
+        _emit(args, {**f.__dict__, "backend": backend.name, "backend_why": backend.why},
+              f"{f.describe()}\nbackend: {backend.name} ({backend.why})")
         return Exit.OK
 
     from cudahook.core.discovery import discover

@@ -97,6 +97,11 @@ def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
                                 "state queries; R580+ GPU remapping"))
         except Exception as exc:
             checks.append(Check("cuda-checkpoint", "fail", str(exc)))
+    try:
+        backend = ctx.backend
+        checks.append(Check("backend", "ok", f"{backend.name} ({backend.why})"))
+    except Exception as exc:
+        checks.append(Check("backend", "fail", str(exc)))
 
     checks += _gpu_checks(ctx)
 

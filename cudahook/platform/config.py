@@ -31,6 +31,12 @@ def default_path() -> Path:
 
 @dataclass(frozen=True)
 class Settings:
+    # How cudahook drives the driver: "driver-api" (cuCheckpointProcess* in
+    # libcuda, one driver attach per phase), "cli" (one cuda-checkpoint run,
+    # one attach, per call) or "auto" (the driver API when libcuda has it and
+    # the driver is R570+, else the CLI). One phase never mixes them.
+    backend: str = "auto"
+    libcuda: str = "libcuda.so.1"
     cuda_checkpoint: str = "/usr/bin/cuda-checkpoint"
     nvidia_smi: str = "/usr/bin/nvidia-smi"
     # The installed driver's version (features, manifest, same-branch check);

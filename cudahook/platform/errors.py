@@ -47,7 +47,8 @@ class DeviceMapError(CudahookError):
 
 
 class ToolError(CudahookError):
-    """A cuda-checkpoint call that failed: what it was asked, and what it said."""
+    """A cuda-checkpoint call (or driver-API call) that failed: what it was
+    asked, and what it said."""
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class ToolError(CudahookError):
         *,
         timed_out: bool = False,
         cuda: bool = False,
+        status: str = "exit",
     ) -> None:
         self.pid = pid
         self.cuda = cuda  # the tool answered as for a CUDA process, however oddly
@@ -65,7 +67,8 @@ class ToolError(CudahookError):
         self.returncode = returncode
         self.stderr = stderr.strip()
         self.timed_out = timed_out
-        what = "timed out (process group killed)" if timed_out else f"exit {returncode}"
+        # `status` names what returncode is: an exit status, or a CUresult.
+        what = "timed out (process group killed)" if timed_out else f"{status} {returncode}"
         detail = f": {self.stderr}" if self.stderr else ""
         super().__init__(f"pid {pid}: {action} {what}{detail}")
 

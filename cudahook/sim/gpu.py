@@ -5,6 +5,12 @@ context: CRIU refuses to dump a connected Unix socket whose peer is outside
 the container, exactly as it refuses a live /dev/nvidia* mapping, and when a
 client disconnects or dies its memory is freed, as the driver frees a dead
 process's allocations. Whatever was not copied out first is gone.
+
+Copies between device and host memory (a checkpoint's download, a
+restore's upload) go over the GPU's link at the configured bandwidth
+(`bandwidth_mib_s`, per GPU or for the node): processes on different GPUs
+copy in parallel, processes on one GPU take turns on its link, so a phase
+takes at least its largest per-GPU byte count over the link's bandwidth.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from .protocol import (
     CudaError,
     bind_unix,
     pattern,
-    recv,
+    read_payload,
     send,
 )
 
@@ -42,6 +48,8 @@ class Device:
     total: int  # bytes
     used: int = 0
     users: dict[int, int] = field(default_factory=dict)  # client pid -> bytes
+    bandwidth: float = 0.0  # MiB/s over the link; 0: unlimited
+    link_free_at: float = 0.0  # monotonic time the link's queued copies end
 
 
 @dataclass
@@ -55,8 +63,10 @@ class Client:
 class GpuService:
     def __init__(self, config: dict[str, Any]):
         self.config = config
+        node_bandwidth = float(config.get("bandwidth_mib_s") or 0)
         self.devices = [
-            Device(i, g["uuid"], g.get("name", "NVIDIA Simulated GPU"), g["memory_mib"] << 20)
+            Device(i, g["uuid"], g.get("name", "NVIDIA Simulated GPU"), g["memory_mib"] << 20,
+                   bandwidth=float(g.get("bandwidth_mib_s", node_bandwidth) or 0))
             for i, g in enumerate(config["gpus"])
         ]
         self.by_uuid = {d.uuid: d for d in self.devices}
@@ -77,9 +87,10 @@ class GpuService:
         try:
             while True:
                 try:
-                    msg, payload = recv(stream)
+                    msg, payload, arrived = _recv_timed(stream)
                 except (EOFError, OSError, ValueError):
                     return
+                msg["_arrived"] = arrived
                 try:
                     reply, data = self.handle(client, msg, payload)
                     reply["ok"] = True
@@ -133,8 +144,7 @@ class GpuService:
             with self.lock:
                 client.device, client.kind = dev, msg.get("kind", "cuda")
                 dev.users.setdefault(client.pid, 0)
-            return {"index": dev.index, "uuid": dev.uuid,
-                    "bandwidth_mib_s": self.config.get("bandwidth_mib_s", 0)}, b""
+            return {"index": dev.index, "uuid": dev.uuid, "bandwidth_mib_s": dev.bandwidth}, b""
         if op in ("alloc", "upload"):
             size = len(payload) if op == "upload" else int(msg["size"])
             with self.lock:
@@ -142,7 +152,9 @@ class GpuService:
                 handle = self.next_handle
                 self.next_handle += 1
             if op == "upload":
-                buf = bytearray(payload)
+                # The payload crossed the socket while its turn on the link ran.
+                self._wait(self._reserve(self._device(client), size, msg.get("_arrived", 0.0)))
+                buf = payload if isinstance(payload, bytearray) else bytearray(payload)
             elif "seed" in msg:
                 buf = bytearray(pattern(int(msg["seed"]), size))
             else:
@@ -150,7 +162,16 @@ class GpuService:
             client.buffers[handle] = buf
             return {"handle": handle}, b""
         if op == "download":
-            return {}, bytes(self._buffer(client, msg))
+            buf = self._buffer(client, msg)
+            dev = self._device(client)
+            until = self._reserve(dev, len(buf))
+            if until:
+                self._wait(until - len(buf) / (dev.bandwidth * (1 << 20)))  # our turn
+            # The bytes cross the socket inside the copy's time on the link; the
+            # client waits out the rest (clocks: CLOCK_MONOTONIC, one per host).
+            # A view, not a copy: this connection serves one request at a time,
+            # so nothing of this client writes the buffer while it is sent.
+            return {"link_until": until}, memoryview(buf)
         if op == "digest":
             return {"sha256": hashlib.sha256(self._buffer(client, msg)).hexdigest()}, b""
         if op == "incr":
@@ -170,6 +191,23 @@ class GpuService:
                     client.device.users[client.pid] -= len(buf)
             return {}, b""
         raise CudaError(INVALID_VALUE, f"unknown op {op!r}")
+
+    def _reserve(self, dev: Device, size: int, since: float = 0.0) -> float:
+        """Queue a copy of `size` bytes on the GPU's link, starting no earlier
+        than `since` (default: now); when it ends (0: the link is unlimited)."""
+        if dev.bandwidth <= 0 or size <= 0:
+            return 0.0
+        cost = size / (dev.bandwidth * (1 << 20))
+        with self.lock:
+            start = max(since or time.monotonic(), dev.link_free_at)
+            dev.link_free_at = start + cost
+        return start + cost
+
+    @staticmethod
+    def _wait(until: float) -> None:
+        left = until - time.monotonic()
+        if left > 0:
+            time.sleep(left)
 
     def info(self) -> dict[str, Any]:
         with self.lock:
@@ -195,6 +233,16 @@ class GpuService:
         kinds = {c.pid: c.kind for c in self.clients.values() if c.device is dev}
         return [(pid, used, kinds.get(pid, "cuda")) for pid, used in sorted(dev.users.items())
                 if pid in kinds]
+
+
+def _recv_timed(inp: Any) -> tuple[dict[str, Any], bytes, float]:
+    """protocol.recv, plus when the request's line arrived (before its payload)."""
+    line = inp.readline()
+    if not line:
+        raise EOFError("peer closed the connection")
+    arrived = time.monotonic()
+    msg = json.loads(line)
+    return msg, read_payload(inp, int(msg.get("len", 0))), arrived
 
 
 def serve(sim_dir: Path) -> None:

@@ -4,12 +4,13 @@
     ROOT/driver/version    the driver's /proc/driver/nvidia/version
     ROOT/gpu.sock          the GPU service
     ROOT/bin/cuda-checkpoint, ROOT/bin/nvidia-smi   drop-in tools
+    ROOT/lib/libcuda.so.1  the driver API (fake_libcuda.c), when a C compiler is there
     ROOT/dev/nvidia0..N, nvidiactl, nvidia-uvm      device nodes (plain files, for host
                                                     workloads; runc containers get real
                                                     character nodes, see runcbox)
     ROOT/ctl/              workloads' restore-thread sockets (host workloads)
     ROOT/status/           workloads' status reports
-    ROOT/faults.json       injected faults, read by the fake cuda-checkpoint
+    ROOT/faults.json       injected faults, read by the fake cuda-checkpoint and libcuda
 
 Containers bind-mount ROOT (for gpu.sock) at /run/cuda-sim and see device
 nodes at /dev/nvidia*; host processes use the paths as they are.
@@ -96,6 +97,10 @@ class SimLab:
         return self.root / "bin" / "cuda-checkpoint"
 
     @property
+    def libcuda(self) -> Path:
+        return self.root / "lib" / "libcuda.so.1"
+
+    @property
     def nvidia_smi(self) -> Path:
         return self.root / "bin" / "nvidia-smi"
 
@@ -132,6 +137,9 @@ class SimLab:
                 + (", sys.argv[0]" if module == "tool" else "") + "))\n"
             )
             path.chmod(0o755)
+        from .fakelib import install
+
+        install(self.root)
         return self
 
     @property
@@ -207,6 +215,7 @@ class SimLab:
         dev = re.escape(str(self.dev))
         base = Settings(
             cuda_checkpoint=str(self.cuda_checkpoint),
+            libcuda=str(self.libcuda),
             nvidia_smi=str(self.nvidia_smi),
             driver_version_file=str(self.driver_version_file),
             vmm_coordinator=str(self.vmm_coordinator),

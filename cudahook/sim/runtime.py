@@ -318,9 +318,13 @@ class SimCuda:
             for name, handle in self.buffers.items():
                 if name in self.vmm:
                     continue  # VMM mappings are the interposer's to save
-                _, data = self._call({"op": "download", "handle": handle})
+                # The GPU service paces the copy over the GPU's link: the bytes
+                # arrive within the copy's time, the rest is waited out here.
+                reply, data = self._call({"op": "download", "handle": handle})
                 copy[name] = data
-                self._transfer_cost(len(data))
+                left = float(reply.get("link_until") or 0) - time.monotonic()
+                if left > 0:
+                    time.sleep(left)
         except GpuLost as exc:
             self._undo(LOCKED, during)
             raise CudaError(UNKNOWN, str(exc)) from exc
@@ -352,7 +356,6 @@ class SimCuda:
             for name, data in self.host_copy.items():
                 reply, _ = self._call({"op": "upload"}, data)
                 handles[name] = int(reply["handle"])
-                self._transfer_cost(len(data))
         except (CudaError, GpuLost, OSError) as exc:
             # A failed restore leaves the process checkpointed (cuda-checkpoint #44).
             self._release()
@@ -392,10 +395,6 @@ class SimCuda:
                 raise CudaError(ILLEGAL_STATE)
             self.state = RUNNING
             self.cond.notify_all()
-
-    def _transfer_cost(self, size: int) -> None:
-        if self.bandwidth > 0:
-            time.sleep(size / (self.bandwidth * (1 << 20)))
 
 
 def serve_forever(listener: socket.socket,

@@ -9,7 +9,7 @@ the recorded ones; every failure exits 1 (R555+) or 255 (R550) with the
 CUDA error only in stderr. Like the real tool it talks to the target's own
 restore thread, so a frozen or stopped target makes it hang; every
 invocation but R555+'s usage and help pays the configured driver attach
-latency. Faults can be injected per PID, per workload tag and action.
+latency and per-call cost. Faults can be injected per PID, per workload tag and action.
 
 Kept to the standard library and cheap imports: benchmarks start dozens of
 these at once on two cores, and their start-up counts against the engine.
@@ -211,8 +211,9 @@ def _usage(exc: Usage, major: int) -> int:
 
 
 def _cuda_init(config: dict, sim_dir: str) -> str | None:
-    """cuInit: the driver attach every call pays; why it failed, or None."""
-    time.sleep(float(config.get("attach_latency_s", 0)))
+    """cuInit: the driver attach every call pays, then the call's own cost;
+    why it failed, or None."""
+    time.sleep(float(config.get("attach_latency_s", 0)) + float(config.get("call_cost_s", 0)))
     if not config.get("gpus"):
         return CUDA_ERRORS[NO_DEVICE]
     try:

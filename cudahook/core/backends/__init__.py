@@ -1,9 +1,10 @@
 """Backends: how cudahook asks the driver to lock, checkpoint, restore and unlock.
 
-The engine only sees the `Backend` protocol. Today there is one backend, the
-`cuda-checkpoint` executable; a driver-API backend (cuCheckpointProcess*,
-one driver attach per phase instead of one per call) implements the same
-protocol and needs no engine change.
+The engine only sees the `Backend` protocol. Two backends implement it: the
+`cuda-checkpoint` executable (`cli`, one driver attach per call) and the
+driver API (`driver_api`, cuCheckpointProcess* in libcuda, one driver attach
+per phase). `make_backend` picks one per hook invocation, so one phase never
+mixes them, and records why in the backend's `why`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
     class Backend(Protocol):
         name: str
+        why: str
 
         @property
         def features(self) -> Features: ...
@@ -84,6 +86,21 @@ class Features:
 
 
 def make_backend(settings: object, host: object) -> Backend:
+    """The backend the configuration asks for; `auto` decides here, once."""
     from .cli import CudaCheckpointCLI
 
-    return CudaCheckpointCLI(host, settings)  # type: ignore[arg-type]
+    choice = getattr(settings, "backend", "auto")
+    if choice == "cli":
+        cli = CudaCheckpointCLI(host, settings)  # type: ignore[arg-type]
+        cli.why = "backend: cli in the configuration"
+        return cli
+    from .driver_api import DriverAPI, choose
+
+    if choice == "driver-api":
+        return DriverAPI(host, settings, why="backend: driver-api in the configuration")  # type: ignore[arg-type]
+    features, why = choose(settings, host)  # type: ignore[arg-type]
+    if features is not None:
+        return DriverAPI(host, settings, features, why=why)  # type: ignore[arg-type]
+    cli = CudaCheckpointCLI(host, settings)  # type: ignore[arg-type]
+    cli.why = why
+    return cli

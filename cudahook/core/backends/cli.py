@@ -96,6 +96,7 @@ def format_device_map(device_map: dict[str, str]) -> str:
 
 class CudaCheckpointCLI:
     name = "cuda-checkpoint"
+    why = ""  # why this backend runs (see make_backend)
 
     def __init__(self, host: Host, settings: Settings, features: Features | None = None):
         self.host = host

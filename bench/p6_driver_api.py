@@ -1,0 +1,108 @@
+"""P6: the driver-API backend against the CLI backend, checkpoint and restore at N = 8.
+
+One SimLab (driver R580, attach latency 1.0 s by default - real is ~2.7 s -,
+4 MiB per process at 2000 MiB/s per GPU link, 2 GPUs) runs one workload of N
+CUDA processes. Each repetition runs, for each backend in a rotated order,
+the checkpoint phase then the restore phase, each with a FRESH backend as
+each hook invocation is a new process:
+
+  cli         one `cuda-checkpoint` run (one driver attach) per call and process
+  driver-api  the fake libcuda.so.1 through one helper process per phase
+              (one cuInit: one attach), calls in parallel
+
+Target: driver-api / cli <= 0.35 for each phase.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+if __package__ in (None, ""):
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import Result, arg_parser, kill_group, log, reps_of, run_main, tmpdir
+
+TITLE = "driver-API backend vs CLI backend: checkpoint and restore phases at N=8"
+TARGET = 0.35
+BACKENDS = ("cli", "driver-api")
+
+
+def run(args) -> Result:  # type: ignore[no-untyped-def]
+    from cudahook.core.backends import make_backend
+    from cudahook.core.engine import Engine
+    from cudahook.platform.host import Host
+    from cudahook.sim.lab import SimLab
+
+    reps = reps_of(args)
+    n = args.n
+    res = Result("P6", TITLE)
+    samples: dict[str, list[float]] = {}
+    attaches: dict[str, int] = {}
+    with tmpdir("p6") as tmp:
+        lab = SimLab(tmp / "node", driver=580, gpus=2, attach_latency_s=args.attach_latency,
+                     bandwidth_mib_s=args.bandwidth)
+        proc = None
+        try:
+            lab.start()
+            if not lab.libcuda.exists():
+                raise RuntimeError("the fake libcuda.so.1 was not built (is gcc installed?)")
+            proc = lab.spawn("w", mib=args.mib, procs=n, interval_ms=200)
+            tags = [f"w.{i}" for i in range(n)] if n > 1 else ["w"]
+            pids = [lab.wait_counter(t, timeout=60)["pid"] for t in tags]
+            log(f"P6: {n} processes up; attach {args.attach_latency}s")
+            for r in range(reps):
+                order = list(BACKENDS[r % 2:] + BACKENDS[:r % 2])
+                for kind in order:
+                    settings = lab.settings(backend=kind, call_timeout_s=120.0,
+                                            lock_timeout_ms=10000)
+                    for phase in ("checkpoint", "restore"):
+                        host = Host()
+                        backend = make_backend(settings, host)
+                        engine = Engine(backend, settings, host)
+                        t0 = time.perf_counter()
+                        result = (engine.checkpoint if phase == "checkpoint"
+                                  else engine.restore)(pids)
+                        dt = time.perf_counter() - t0
+                        if not result.ok:
+                            raise RuntimeError(f"{kind} {phase}: {result.errors}")
+                        samples.setdefault(f"{phase}-{kind}-N{n}", []).append(dt)
+                        if hasattr(backend, "attaches"):
+                            attaches[f"{phase}-{kind}"] = backend.attaches
+                        close = getattr(backend, "close", None)
+                        if close:
+                            close()
+                log(f"P6 rep {r + 1}/{reps}: " + ", ".join(
+                    f"{k} {v[-1]:.2f}s" for k, v in samples.items()))
+        finally:
+            kill_group(proc)
+            lab.stop()
+    res.add_samples(samples, {
+        f"{p}-{k}-N{n}": f"Engine.{p} over {n} processes through the {k} backend"
+        for p in ("checkpoint", "restore") for k in BACKENDS})
+    for phase in ("checkpoint", "restore"):
+        res.ratio(f"{phase} driver-api/cli N={n}", f"{phase}-driver-api-N{n}",
+                  f"{phase}-cli-N{n}", TARGET)
+    res.notes.append(f"driver attaches per driver-api phase: {attaches}")
+    res.extra["settings"] = {"attach_latency_s": args.attach_latency, "n": n, "mib": args.mib,
+                             "bandwidth_mib_s": args.bandwidth, "driver": 580, "gpus": 2}
+    return res
+
+
+run.bench_id = "P6"  # type: ignore[attr-defined]
+run.title = TITLE  # type: ignore[attr-defined]
+
+
+def parser():  # type: ignore[no-untyped-def]
+    p = arg_parser(__doc__.split("\n")[0], reps=3, quick_reps=1)
+    p.add_argument("--n", type=int, default=8, help="CUDA processes (default 8)")
+    p.add_argument("--attach-latency", type=float, default=1.0)
+    p.add_argument("--bandwidth", type=float, default=2000.0, help="MiB/s per GPU link")
+    p.add_argument("--mib", type=int, default=4, help="device memory per process")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(run, parser()))

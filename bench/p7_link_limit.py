@@ -1,0 +1,121 @@
+"""P7: a checkpoint+restore close to the physical limit: 8 processes on 8 GPUs.
+
+One SimLab (driver R580, 8 GPUs, attach latency 1.0 s, each GPU's link at
+--bandwidth MiB/s) runs one process per GPU holding --mib MiB. The
+driver-API backend checkpoints and restores them all; the CUDA phase time
+(checkpoint phase + restore phase) is compared with the physical limit of
+the same cycle: per phase, one driver attach plus the largest per-GPU byte
+count over the link's bandwidth.
+
+  limit = 2 x (attach + max per-GPU MiB / bandwidth)      target: cycle / limit <= 1.15
+
+The CLI backend's cycle is measured beside it, for reference.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+if __package__ in (None, ""):
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import Result, arg_parser, kill_group, log, reps_of, run_main, tmpdir
+
+TITLE = "checkpoint+restore of 8 processes on 8 GPUs vs the physical limit"
+TARGET = 1.15
+
+
+def run(args) -> Result:  # type: ignore[no-untyped-def]
+    from cudahook.core.backends import make_backend
+    from cudahook.core.engine import Engine
+    from cudahook.platform.host import Host
+    from cudahook.sim.lab import SimLab
+
+    reps = reps_of(args)
+    gpus = args.gpus
+    res = Result("P7", TITLE)
+    samples: dict[str, list[float]] = {}
+    kinds = ["driver-api"] + ([] if args.no_cli else ["cli"])
+    with tmpdir("p7") as tmp:
+        lab = SimLab(tmp / "node", driver=580, gpus=gpus, memory_mib=max(1024, 2 * args.mib),
+                     attach_latency_s=args.attach_latency, bandwidth_mib_s=args.bandwidth)
+        procs = []
+        try:
+            lab.start()
+            if not lab.libcuda.exists():
+                raise RuntimeError("the fake libcuda.so.1 was not built (is gcc installed?)")
+            for i in range(gpus):
+                # Quiet workloads: a memory check of hundreds of MiB would load the CPUs.
+                procs.append(lab.spawn(f"g{i}", mib=args.mib, gpu=i, interval_ms=500,
+                                       check_every=100000))
+            pids = [lab.wait_counter(f"g{i}", timeout=120)["pid"] for i in range(gpus)]
+            log(f"P7: {gpus} processes, {args.mib} MiB each, one per GPU")
+            for r in range(reps):
+                order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+                for kind in order:
+                    settings = lab.settings(backend=kind, call_timeout_s=300.0,
+                                            lock_timeout_ms=10000)
+                    cycle = 0.0
+                    for phase in ("checkpoint", "restore"):
+                        host = Host()
+                        backend = make_backend(settings, host)
+                        engine = Engine(backend, settings, host)
+                        t0 = time.perf_counter()
+                        result = (engine.checkpoint if phase == "checkpoint"
+                                  else engine.restore)(pids)
+                        dt = time.perf_counter() - t0
+                        if not result.ok:
+                            raise RuntimeError(f"{kind} {phase}: {result.errors}")
+                        samples.setdefault(f"{phase}-{kind}", []).append(dt)
+                        cycle += dt
+                        close = getattr(backend, "close", None)
+                        if close:
+                            close()
+                    samples.setdefault(f"cycle-{kind}", []).append(cycle)
+                log(f"P7 rep {r + 1}/{reps}: " + ", ".join(
+                    f"{k} {v[-1]:.2f}s" for k, v in samples.items() if k.startswith("cycle")))
+            for i in range(gpus):
+                st = lab.status(f"g{i}")
+                if st.get("errors"):
+                    raise RuntimeError(f"workload g{i} reports errors: {st['errors']}")
+        finally:
+            for p in procs:
+                kill_group(p)
+            lab.stop()
+    per_phase = args.attach_latency + args.mib / args.bandwidth
+    samples["limit-phase"] = [per_phase]
+    samples["limit-cycle"] = [2 * per_phase]
+    res.add_samples(samples, {
+        "limit-phase": "one attach + largest per-GPU MiB / link MiB/s",
+        "limit-cycle": "the limit of checkpoint + restore",
+    })
+    res.ratio("cycle driver-api/limit", "cycle-driver-api", "limit-cycle", TARGET)
+    for phase in ("checkpoint", "restore"):
+        res.ratio(f"{phase} driver-api/limit", f"{phase}-driver-api", "limit-phase", TARGET,
+                  headline=False)
+    if not args.no_cli:
+        res.ratio("cycle cli/limit", "cycle-cli", "limit-cycle", None, headline=False)
+    res.extra["settings"] = {"attach_latency_s": args.attach_latency, "gpus": gpus,
+                             "mib": args.mib, "bandwidth_mib_s": args.bandwidth, "driver": 580}
+    return res
+
+
+run.bench_id = "P7"  # type: ignore[attr-defined]
+run.title = TITLE  # type: ignore[attr-defined]
+
+
+def parser():  # type: ignore[no-untyped-def]
+    p = arg_parser(__doc__.split("\n")[0], reps=3, quick_reps=1)
+    p.add_argument("--gpus", type=int, default=8, help="GPUs, one process each (default 8)")
+    p.add_argument("--mib", type=int, default=512, help="device memory per process")
+    p.add_argument("--bandwidth", type=float, default=1024.0, help="MiB/s per GPU link")
+    p.add_argument("--attach-latency", type=float, default=1.0)
+    p.add_argument("--no-cli", action="store_true", help="skip the CLI reference cycle")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(run, parser()))

@@ -1,0 +1,323 @@
+"""Backend over the CUDA driver API (cuCheckpointProcess*, CUDA 12.8+, R570+).
+
+Every `cuda-checkpoint` run attaches to the driver (seconds on real nodes);
+this backend attaches once per phase. The calls run in one helper process
+(`driver_helper.py`) started at the first call: it loads libcuda, calls
+cuInit once and serves every call of the phase, in parallel. A call that
+outlives its deadline gets the helper's process group killed, so a hung
+driver call fails that call (timed out, as the CLI backend's do) instead
+of hanging the hook; the next call starts a fresh helper for the rollback.
+
+Errors carry the PID, the action and the CUresult, with the driver's own
+name and message (cuGetErrorName, cuGetErrorString), worded as
+cuda-checkpoint words them so that discovery reads them the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from cudahook.platform.config import Settings
+from cudahook.platform.errors import EnvironmentProblem, ToolError
+from cudahook.platform.host import Host
+
+from . import CHECKPOINTED, RUNNING, STATES, Features
+from .cli import driver_version
+
+HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "driver_helper.py")
+MIN_MAJOR = 570  # cuCheckpointProcess* first shipped with R570 (CUDA 12.8)
+
+
+def features_for(version: str) -> Features:
+    """What the driver API can do on this driver release (nothing before R570)."""
+    head = version.split(".", 1)[0]
+    major = int(head) if head.isdigit() else 0
+    api = major >= MIN_MAJOR
+    return Features(version=version, toggle=api, actions=api, get_state=api, restore_tid=api,
+                    device_map=major >= 580, launch_job=major >= 590)
+
+
+def fail_text(action: str, pid: int, message: str, name: str, code: int) -> str:
+    """cuda-checkpoint's failure line, plus the CUresult's name and number."""
+    if action == "get-state":
+        head = f'Error getting process state for process ID {pid}: "{message}"'
+    elif action == "get-restore-tid":
+        head = f'Could not find restore thread for process ID {pid}: "{message}"'
+    else:
+        head = f'Could not {action} on process ID {pid}: "{message}"'
+    return f"{head} ({name}, {code})"
+
+
+def uuid_hex(uuid: str) -> str:
+    """A GPU-xxxxxxxx-xxxx-... (or MIG-...) UUID as CUuuid's 16 bytes, in hex."""
+    body = uuid.split("-", 1)[1] if uuid.startswith(("GPU-", "MIG-")) else uuid
+    digits = body.replace("-", "")
+    if len(digits) != 32:
+        raise ValueError(f"not a GPU UUID: {uuid!r}")
+    bytes.fromhex(digits)
+    return digits
+
+
+def probe_library(path: str) -> str | None:
+    """Why libcuda at `path` cannot serve this backend, or None when it can.
+
+    Loads it in this process only to look up symbols: nothing is called.
+    """
+    import ctypes
+
+    from .driver_helper import SYMBOLS
+
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as exc:
+        return f"{path} not loadable ({exc})"
+    missing = [s for s in SYMBOLS if not hasattr(lib, s)]
+    if missing:
+        return f"{path} does not export {', '.join(missing)}"
+    return None
+
+
+def choose(settings: Settings, host: Host) -> tuple[Features | None, str]:
+    """`backend: auto`: the driver API's features when it can run, else None; and why."""
+    try:
+        version = driver_version(host, settings)
+    except EnvironmentProblem as exc:
+        return None, f"auto: cli, the driver version is unknown ({exc})"
+    features = features_for(version)
+    if not features.actions:
+        return None, f"auto: cli, driver {version} predates the checkpoint driver API (R570)"
+    why_not = probe_library(settings.libcuda)
+    if why_not:
+        return None, f"auto: cli, {why_not}"
+    return features, f"auto: driver-api, driver {version} and {settings.libcuda} export " \
+                     "cuCheckpointProcess*"
+
+
+class _Helper:
+    """One helper process: one driver attach, calls multiplexed by id."""
+
+    def __init__(self, python: str, library: str, timeout: float):
+        self.proc = subprocess.Popen(
+            [python, "-I", "-S", HELPER, library], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+            close_fds=True,
+        )
+        self.lock = threading.Lock()
+        self.waiting: dict[int, tuple[threading.Event, list[dict]]] = {}
+        self.next_id = 1
+        self.dead: str | None = None
+        self.ready = threading.Event()
+        self.hello: dict = {}
+        threading.Thread(target=self._read, name="driver-api-reader", daemon=True).start()
+        if not self.ready.wait(timeout):
+            self.kill("driver initialisation timed out")
+            raise TimeoutError("cuInit timed out")
+        if not self.hello.get("ready"):
+            self.kill("driver initialisation failed")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if "ready" in msg:
+                self.hello = msg
+                self.ready.set()
+                continue
+            with self.lock:
+                entry = self.waiting.pop(msg.get("id"), None)
+            if entry:
+                entry[1].append(msg)
+                entry[0].set()
+        self._fail_all("the driver helper exited")
+
+    def _fail_all(self, why: str) -> None:
+        with self.lock:
+            self.dead = self.dead or why
+            entries = list(self.waiting.values())
+            self.waiting.clear()
+        self.ready.set()
+        for event, _ in entries:
+            event.set()
+
+    def kill(self, why: str) -> None:
+        with self.lock:
+            self.dead = self.dead or why
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._fail_all(why)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+    def call(self, request: dict, timeout: float) -> dict | None:
+        """The reply, or None when the call timed out (helper killed) or the helper died."""
+        event: threading.Event = threading.Event()
+        box: list[dict] = []
+        with self.lock:
+            if self.dead:
+                return None
+            ident = self.next_id
+            self.next_id += 1
+            self.waiting[ident] = (event, box)
+            line = json.dumps({**request, "id": ident}) + "\n"
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(line.encode())
+                self.proc.stdin.flush()
+            except OSError:
+                self.waiting.pop(ident, None)
+                self.dead = "the driver helper exited"
+                return None
+        if not event.wait(timeout):
+            self.kill(f"a {request['op']} call outlived its deadline")
+            return None
+        return box[0] if box else None
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            self.kill("closed")
+
+
+class DriverAPI:
+    name = "driver-api"
+
+    def __init__(self, host: Host, settings: Settings, features: Features | None = None,
+                 why: str = ""):
+        self.host = host
+        self.settings = settings
+        self.library = settings.libcuda
+        self.timeout = settings.call_timeout_s
+        self.why = why
+        self._features = features
+        self._probe = threading.Lock()
+        self._start = threading.Lock()
+        self._helper: _Helper | None = None
+        self.attaches = 0  # helpers started: one per phase unless a call hung
+
+    @property
+    def features(self) -> Features:
+        with self._probe:
+            if self._features is None:
+                self._features = features_for(driver_version(self.host, self.settings))
+            return self._features
+
+    def _need(self, flag: str, what: str) -> None:
+        if not getattr(self.features, flag):
+            raise EnvironmentProblem(
+                f"the CUDA driver API on driver {self.features.version or '(unknown version)'} "
+                f"does not support {what}")
+
+    def _helper_for(self, pid: int, action: str) -> _Helper:
+        with self._start:
+            helper = self._helper
+            if helper is None or helper.dead:
+                try:
+                    helper = _Helper(sys.executable, self.library, self.timeout)
+                except TimeoutError:
+                    raise ToolError(pid, action, None, "cuInit did not return",
+                                    timed_out=True) from None
+                except OSError as exc:
+                    raise EnvironmentProblem(
+                        f"cannot start the driver-API helper: {exc.strerror or exc}") from None
+                self.attaches += 1
+                self._helper = helper
+            hello = helper.hello
+            if not hello.get("ready"):
+                self._helper = None
+                if hello.get("stage") == "init":
+                    raise ToolError(pid, action, int(hello.get("code", 999)),
+                                    f'Error initializing CUDA: "{hello.get("error")}" '
+                                    f'({hello.get("name")}, {hello.get("code")})',
+                                    status="CUresult")
+                raise EnvironmentProblem(
+                    f"libcuda not usable at {self.library}: "
+                    f"{hello.get('error') or helper.dead or 'no answer'}")
+            return helper
+
+    def _call(self, pid: int, action: str, request: dict, timeout: float | None = None) -> object:
+        helper = self._helper_for(pid, action)
+        reply = helper.call({**request, "op": action, "pid": pid}, timeout or self.timeout)
+        if reply is None:
+            timed_out = "deadline" in (helper.dead or "")
+            raise ToolError(pid, action, None,
+                            helper.dead or "the driver helper exited", timed_out=timed_out)
+        if not reply.get("ok"):
+            code = int(reply.get("code", 999))
+            raise ToolError(pid, action, code,
+                            fail_text(action, pid, str(reply.get("error")),
+                                      str(reply.get("name")), code), status="CUresult")
+        return reply.get("value")
+
+    def get_state(self, pid: int) -> str:
+        self._need("get_state", "cuCheckpointProcessGetState (driver R570 or newer)")
+        state = str(self._call(pid, "get-state", {}))
+        if state not in STATES:
+            raise ToolError(pid, "get-state", 0, f"unexpected state {state!r}", cuda=True)
+        return state
+
+    def get_restore_tid(self, pid: int) -> int:
+        self._need("restore_tid", "cuCheckpointProcessGetRestoreThreadId (driver R570 or newer)")
+        value = self._call(pid, "get-restore-tid", {})
+        if not isinstance(value, int) or value <= 0:
+            raise ToolError(pid, "get-restore-tid", 0, f"unexpected thread id {value!r}")
+        return value
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._need("actions", "cuCheckpointProcessLock (driver R570 or newer)")
+        # The lock waits up to timeout_ms itself; our deadline must outlast it.
+        self._call(pid, "lock", {"timeout_ms": timeout_ms},
+                   timeout=self.timeout + timeout_ms / 1000)
+
+    def checkpoint(self, pid: int) -> None:
+        self._need("actions", "cuCheckpointProcessCheckpoint (driver R570 or newer)")
+        self._call(pid, "checkpoint", {})
+
+    def restore(self, pid: int, device_map: dict[str, str] | None = None) -> None:
+        self._need("actions", "cuCheckpointProcessRestore (driver R570 or newer)")
+        request: dict = {}
+        if device_map:
+            self._need("device_map", "GPU remapping on restore (driver R580 or newer)")
+            try:
+                request["pairs"] = [[uuid_hex(old), uuid_hex(new)]
+                                    for old, new in device_map.items()]
+            except ValueError as exc:
+                raise ToolError(pid, "restore", None, str(exc)) from None
+        self._call(pid, "restore", request)
+
+    def unlock(self, pid: int) -> None:
+        self._need("actions", "cuCheckpointProcessUnlock (driver R570 or newer)")
+        self._call(pid, "unlock", {})
+
+    def toggle(self, pid: int) -> None:
+        """cuda-checkpoint --toggle's meaning: lock+checkpoint or restore+unlock."""
+        state = self.get_state(pid)
+        if state == RUNNING:
+            self.lock(pid, 0)
+            self.checkpoint(pid)
+        elif state == CHECKPOINTED:
+            self.restore(pid)
+            self.unlock(pid)
+        else:
+            raise ToolError(pid, "toggle", 401, f"cannot toggle a process that is {state}",
+                            cuda=True)
+
+    def close(self) -> None:
+        with self._start:
+            if self._helper is not None:
+                self._helper.close()
+                self._helper = None

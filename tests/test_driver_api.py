@@ -1,0 +1,208 @@
+"""The driver-API backend against the fake libcuda.so.1 (C, built by the suite)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import time
+
+import pytest
+
+from cudahook.core.backends import make_backend
+from cudahook.core.backends.cli import CudaCheckpointCLI
+from cudahook.core.backends.driver_api import DriverAPI, uuid_hex
+from cudahook.core.backends.driver_helper import (
+    CUcheckpointCheckpointArgs,
+    CUcheckpointGpuPair,
+    CUcheckpointLockArgs,
+    CUcheckpointRestoreArgs,
+    CUcheckpointUnlockArgs,
+)
+from cudahook.platform.errors import EnvironmentProblem, PhaseError, ToolError
+from cudahook.platform.host import Host
+
+
+def workers(node, n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    for i in range(n):
+        node.spawn(f"w{i}", mib=2)
+    return [node.lab.wait_counter(f"w{i}", 2)["pid"] for i in range(n)]
+
+
+def api(node, **over) -> DriverAPI:  # type: ignore[no-untyped-def]
+    backend = make_backend(node.lab.settings(backend="driver-api", **over), Host())
+    assert isinstance(backend, DriverAPI)
+    return backend
+
+
+def test_argument_structs_are_laid_out_as_cuda_h() -> None:
+    for struct in (CUcheckpointLockArgs, CUcheckpointCheckpointArgs, CUcheckpointRestoreArgs,
+                   CUcheckpointUnlockArgs):
+        assert ctypes.sizeof(struct) == 64, struct
+    assert ctypes.sizeof(CUcheckpointGpuPair) == 32
+    assert CUcheckpointLockArgs.reserved1.offset == 8
+    assert CUcheckpointRestoreArgs.gpuPairsCount.offset == 8
+    assert CUcheckpointRestoreArgs.reserved1.offset == 56
+
+
+def test_the_library_exports_the_driver_api_and_names_its_errors(node) -> None:  # type: ignore[no-untyped-def]
+    lib = ctypes.CDLL(str(node.lab.libcuda))
+    name, text = ctypes.c_char_p(), ctypes.c_char_p()
+    assert lib.cuGetErrorName(909, ctypes.byref(name)) == 0
+    assert lib.cuGetErrorString(909, ctypes.byref(text)) == 0
+    assert (name.value, text.value) == (b"CUDA_ERROR_TIMEOUT", b"the operation timed out")
+    assert lib.cuGetErrorName(12345, ctypes.byref(name)) == 1 and name.value is None
+    version = ctypes.c_int()
+    assert lib.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value == 13000
+    state = ctypes.c_int()
+    # Not initialised yet: every checkpoint call says so.
+    assert lib.cuCheckpointProcessGetState(os.getpid(), ctypes.byref(state)) == 3
+
+
+def test_one_attach_per_phase_and_shared_state_with_the_tool(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580, attach_latency_s=0.5)
+    pids = workers(node, 4)
+    settings = node.lab.settings(backend="driver-api")
+    host = Host()
+    engine_backend = make_backend(settings, host)
+    from cudahook.core.engine import Engine
+
+    t = time.monotonic()
+    result = Engine(engine_backend, settings, host).checkpoint(pids)
+    took = time.monotonic() - t
+    assert result.ok and engine_backend.attaches == 1  # type: ignore[attr-defined]
+    # 4 processes x 3 calls through the CLI would pay 12 attaches of 0.5 s.
+    assert took < 2 * 0.5 + 1.0, took
+    cli = CudaCheckpointCLI(host, settings)
+    assert {cli.get_state(p) for p in pids} == {"checkpointed"}
+    # Restored by the tool, unlocked through the library, and the other way round.
+    cli.restore(pids[0])
+    backend = api(node)
+    assert backend.get_state(pids[0]) == "locked"
+    backend.unlock(pids[0])
+    backend.restore(pids[1])
+    cli.unlock(pids[1])
+    for p in pids[2:]:
+        backend.restore(p)
+        backend.unlock(p)
+    assert backend.attaches == 1
+    for i, p in enumerate(pids):
+        assert cli.get_state(p) == "running"
+        st = node.lab.wait_counter(f"w{i}", node.lab.status(f"w{i}")["counter"] + 11)
+        assert st["intact"] and st["errors"] == [], st
+
+
+def test_errors_carry_pid_action_and_the_drivers_name(node) -> None:  # type: ignore[no-untyped-def]
+    pid = workers(node, 1)[0]
+    backend = api(node)
+    node.lab.fault("lock", pid=pid, code=2, times=1)
+    with pytest.raises(ToolError) as err:
+        backend.lock(pid, 1000)
+    e = err.value
+    assert (e.pid, e.action, e.returncode, e.timed_out) == (pid, "lock", 2, False)
+    assert f"pid {pid}: lock CUresult 2: Could not lock on process ID {pid}" in str(e)
+    assert '"out of memory"' in e.stderr and "CUDA_ERROR_OUT_OF_MEMORY" in e.stderr
+    backend.lock(pid, 1000)  # the fault was for one call
+    with pytest.raises(ToolError) as err:
+        backend.lock(pid, 1000)
+    assert err.value.returncode == 401 and "CUDA_ERROR_ILLEGAL_STATE" in err.value.stderr
+    backend.unlock(pid)
+    # A process without CUDA: the driver's "initialization error", as the tool says it.
+    with pytest.raises(ToolError) as err:
+        backend.get_state(os.getpid())
+    assert '"initialization error"' in err.value.stderr
+
+
+def test_a_hung_driver_call_is_abandoned_and_the_phase_rolls_back(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580)
+    pids = workers(node, 3)
+    settings = node.lab.settings(backend="driver-api", call_timeout_s=1.0, lock_timeout_ms=500)
+    host = Host()
+    backend = make_backend(settings, host)
+    from cudahook.core.engine import Engine
+
+    node.lab.fault("checkpoint", mode="hang", pid=pids[1], times=1)
+    t = time.monotonic()
+    with pytest.raises(PhaseError) as err:
+        Engine(backend, settings, host).checkpoint(pids)
+    assert time.monotonic() - t < 8
+    res = err.value.result
+    assert err.value.safe and res.rolled_back
+    assert "timed out" in res.errors[pids[1]]
+    assert res.final == {p: "running" for p in pids}
+    # The hung helper's group is gone; the rollback ran in a fresh one.
+    assert backend.attaches == 2  # type: ignore[attr-defined]
+    out = subprocess.run(["pgrep", "-f", "driver_helper.py " + str(node.lab.libcuda)],
+                         capture_output=True, text=True)
+    assert len(out.stdout.split()) <= 1  # at most the live one, never the hung one
+
+
+def test_restore_with_gpu_pairs_moves_the_process(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580, gpus=2)
+    pid = workers(node, 1)[0]
+    old, new = node.lab.uuids
+    backend = api(node)
+    backend.lock(pid, 1000)
+    backend.checkpoint(pid)
+    backend.restore(pid, {old: new, new: old})
+    backend.unlock(pid)
+    from cudahook.sim import wire
+
+    reply = wire.request(str(node.lab.ctl / f"cuda-sim-{pid}.sock"), b'{"op": "status"}\n', 10)
+    status = wire.loads(reply.decode())
+    assert status["gpu"] == new and status["state"] == "running", status  # type: ignore[index]
+    assert uuid_hex(new) == new[4:].replace("-", "")
+
+
+def test_the_driver_api_is_r570_and_newer(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=555)
+    with pytest.raises(EnvironmentProblem, match="does not support"):
+        api(node).lock(1, 0)
+
+
+@pytest.mark.parametrize(("driver", "library", "chosen", "why"), [
+    (580, "fake", "driver-api", "auto: driver-api"),
+    (570, "fake", "driver-api", "auto: driver-api"),
+    (555, "fake", "cuda-checkpoint", "predates the checkpoint driver API"),
+    (580, "missing", "cuda-checkpoint", "not loadable"),
+    (580, "libc.so.6", "cuda-checkpoint", "does not export cuInit"),
+])
+def test_auto_picks_the_driver_api_only_where_it_runs(make_node, driver, library, chosen, why) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=driver)
+    path = {"fake": str(node.lab.libcuda), "missing": "/nonexistent/libcuda.so.1"}.get(
+        library, library)
+    backend = make_backend(node.lab.settings(backend="auto", libcuda=path), Host())
+    assert backend.name == chosen
+    assert why in backend.why
+
+
+def test_explicit_choices_are_kept(node) -> None:  # type: ignore[no-untyped-def]
+    assert make_backend(node.lab.settings(backend="cli"), Host()).name == "cuda-checkpoint"
+    missing = make_backend(node.lab.settings(backend="driver-api", libcuda="/nonexistent.so"),
+                           Host())
+    with pytest.raises(EnvironmentProblem, match="libcuda not usable"):
+        missing.get_state(os.getpid())
+
+
+@pytest.mark.parametrize(("driver", "name", "why"), [
+    (580, "driver-api", "auto: driver-api, driver 580.65.06"),
+    (555, "cuda-checkpoint", "auto: cli, driver 555.58.02 predates"),
+])
+def test_features_and_doctor_say_which_backend_runs_and_why(make_node, tmp_path, driver, name,
+                                                            why) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from .test_cli import cli, write_config
+
+    node = make_node(driver=driver)
+    cfg = write_config(node, backend="auto")
+    r = cli("--json", "features", config=cfg)
+    f = json.loads(r.stdout)
+    assert (f["backend"], f["version"]) == (name, node.lab.config["driver_version"])
+    assert why in f["backend_why"]
+    assert f"backend: {name} (" in cli("features", config=cfg).stdout
+    root = tmp_path / "root"
+    root.mkdir()
+    r = cli("--json", "doctor", "--root", str(root), config=cfg)
+    backend = {c["name"]: c for c in json.loads(r.stdout)}["backend"]
+    assert backend["status"] == "ok" and backend["detail"].startswith(name) and why in backend["detail"]
