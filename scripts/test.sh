@@ -14,10 +14,14 @@ fi
 bash scripts/provision-criu.sh --prefix "$PWD/.cache/criu" --link ""
 bash scripts/provision-runtimes.sh
 bash scripts/dev-env.sh --test
-# The simulated node's libcuda.so.1 is C, built by the suite with the system compiler.
-if ! command -v gcc >/dev/null; then
+# Test tools from Debian: gcc builds the simulated node's libcuda.so.1 (C);
+# logrotate checks the rule install.sh puts in /etc/logrotate.d.
+missing=()
+command -v gcc >/dev/null || missing+=(gcc libc6-dev)
+command -v logrotate >/dev/null || [[ -x /usr/sbin/logrotate ]] || missing+=(logrotate)
+if ((${#missing[@]})); then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 .venv/bin/ruff check .
 export CUDAHOOK_CRIU="$PWD/.cache/criu/bin/criu"
