@@ -48,7 +48,11 @@ def hold(state_dir: str, container_id: str | None, wait_s: float, *,
             while fd >= 0:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
+                    if _still_named(fd, state_dir, container_id):
+                        break
+                    # Removed (see remove) while we waited: lock the new one.
+                    os.close(fd)
+                    fd = _open(state_dir, container_id)
                 except BlockingIOError:
                     if time.monotonic() < deadline:
                         time.sleep(0.02)
@@ -74,6 +78,36 @@ def peek(state_dir: str, container_id: str) -> Iterator[bool]:
         except BlockingIOError:
             yield False
             return
-        yield True
+        yield _still_named(fd, state_dir, container_id)
     finally:
         os.close(fd)
+
+
+def remove(state_dir: str | os.PathLike[str], container_id: str) -> bool:
+    """Delete a gone container's lock file, only while nobody holds it (the
+    state directory is RAM). Whoever opened it before the unlink finds, once
+    it gets the lock, that the path no longer names it, and starts over."""
+    path = Path(state_dir) / "busy" / f"{check_id(container_id)}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return not os.path.lexists(path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _still_named(fd: int, state_dir: str | os.PathLike[str], container_id: str) -> bool:
+    try:
+        st = os.stat(Path(state_dir) / "busy" / f"{container_id}.lock", follow_symlinks=False)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)

@@ -201,6 +201,10 @@ class Store:
                 os.unlink(self.record_path(container_id))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+            from .busy import remove
+
+            with contextlib.suppress(OSError):
+                remove(self.root, container_id)  # held by a checkpoint: next prune
         finally:
             os.close(fd)
         return True
