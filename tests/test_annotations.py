@@ -116,3 +116,17 @@ def test_any_other_lock_timeout_text_is_refused_or_an_int(text: str) -> None:
     except UsageError:
         return
     assert opts.lock_timeout_ms == int(text) and text.isascii() and text.isdigit()
+
+
+def test_the_backend_is_chosen_per_container() -> None:
+    from cudahook.core.backends.cli import CudaCheckpointCLI
+    from cudahook.hooks.context import Context
+
+    opts = ann.parse(a(backend="cli"))
+    assert opts.backend == "cli"
+    assert opts.apply(Settings(backend="driver-api")).backend == "cli"
+    assert ann.parse(a(sequential="true")).apply(Settings(backend="cli")).backend == "cli"
+    with pytest.raises(UsageError, match="backend"):
+        ann.parse(a(backend="fast"))
+    # The hooks build the container's context from the applied settings.
+    assert isinstance(Context(opts.apply(Settings())).backend, CudaCheckpointCLI)

@@ -28,6 +28,7 @@ class Options:
     call_timeout_s: float | None = None
     device_map: str | None = None
     vmm_restore_before_unlock: bool | None = None
+    backend: str | None = None
 
     def apply(self, settings: Settings) -> Settings:
         changes: dict[str, Any] = {}
@@ -39,6 +40,8 @@ class Options:
             changes["call_timeout_s"] = self.call_timeout_s
         if self.vmm_restore_before_unlock is not None:
             changes["vmm_restore_before_unlock"] = self.vmm_restore_before_unlock
+        if self.backend is not None:
+            changes["backend"] = self.backend
         return settings.with_overrides(**changes) if changes else settings
 
 
@@ -107,4 +110,5 @@ def parse(annotations: dict[str, str] | None) -> Options:
         call_timeout_s=float(raw["call-timeout-s"]) if "call-timeout-s" in raw else None,
         device_map=raw.get("device-map"),
         vmm_restore_before_unlock=flag.get(raw.get("vmm-restore-before-unlock", "")),
+        backend=raw.get("backend"),
     )
