@@ -376,11 +376,18 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     # 3. Hazard: by post-resume CRIU has closed the image directory
     #    (CRTOOLS_IMAGE_DIR names a dead /proc/<criu>/fd/N): keep what the
     #    restore needs from it now - the manifest, and where the VMM state is.
-    if not vmm.has_state(call.image_dir):
-        vmm_dir = None
-        if data.get("vmm"):
-            ctx.log("post-restore", warning="manifest says the CUDA VMM interposer took part "
-                    "but the image has no cuda-vmm.state: its coordinator will not run")
+    #    Hazard: an image directory reused from an older checkpoint can hold
+    #    a stale cuda-vmm.state; only the manifest says whether the VMM step
+    #    took part in this one.
+    vmm_dir = None
+    if not data.get("vmm"):
+        if vmm.has_state(call.image_dir):
+            ctx.log("post-restore", warning="cuda-vmm.state in the image is not from this "
+                    "checkpoint (its manifest has no VMM step): ignored")
+    elif not vmm.has_state(call.image_dir):
+        raise EnvironmentProblem(
+            "the checkpoint took the CUDA VMM interposer's state, but the image has no "
+            "regular cuda-vmm.state: its mappings could not be restored")
     else:
         vmm_dir = vmm.locate_state(call.image_dir, criu_run.path.with_suffix(".vmm"))
     criu_run["vmm_dir"] = vmm_dir

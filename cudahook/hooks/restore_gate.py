@@ -44,6 +44,15 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         node = [*node, *mig_uuids(ctx.host, ctx.settings)]
     if opts.device_map:
         mapping: dict[str, str] | None = parse_device_map(opts.device_map)
+        # The driver needs every GPU the process saw in the map (a partial
+        # map fails "invalid argument" at post-resume, where the only way out
+        # is to kill the container): refuse it here, while that is clean.
+        uncovered = [u for u in source if u not in (mapping or {})]
+        if uncovered:
+            raise EnvironmentProblem(
+                "the cudahook.io/device-map annotation does not name GPU(s) "
+                + ", ".join(uncovered) + " of the checkpoint: a device map must cover "
+                "every GPU the processes used")
         missing = [u for u in (mapping or {}).values() if u not in node]
     else:
         visible = (record or {}).get("visible")

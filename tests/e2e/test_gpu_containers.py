@@ -135,6 +135,34 @@ def test_remap_refused_on_r570_before_tasks_run(make_env, tmp_path) -> None:  # 
     env.wait_running(tags, frozen)
 
 
+def test_a_device_map_annotation_that_misses_a_gpu_is_refused_before_tasks_run(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env(driver=580, gpus=4)
+    a, b, c, d = env.lab.uuids
+    cid, _, tags = start(env, visible=[a, b])
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    digest = tree_digest(image)
+    frozen = env.frozen(tags)
+    partial = env.box.bundle("b2", WORKLOADS, others=OTHERS, visible=[c, d],
+                             annotations={"cudahook.io/device-map": f"{a}={c}"})
+    r = env.box.restore(cid, partial, image)
+    assert r.returncode != 0
+    log = (tmp_path / "img.rwork" / "restore.log").read_text()
+    assert f"does not name GPU(s) {b}" in log
+    st = env.box.state(cid)
+    assert st is None or st["status"] == "stopped"
+    assert env.events("restore") == []  # post-resume never ran: nothing to kill
+    assert tree_digest(image) == digest
+    # The whole map restores.
+    if st is not None:
+        env.box.delete(cid)
+    whole = env.box.bundle("b3", WORKLOADS, others=OTHERS, visible=[c, d],
+                           annotations={"cudahook.io/device-map": f"{a}={c},{b}={d}"})
+    r = env.box.restore(cid, whole, image)
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)
+
+
 def test_checkpoint_fault_on_one_of_three(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
     env = make_env()
     cid, _, _ = start(env, workloads=[("mp", {"mib": 2, "procs": 3})])

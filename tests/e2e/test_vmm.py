@@ -54,13 +54,28 @@ def test_all_shims_mappings_survive(make_env, tmp_path) -> None:  # type: ignore
 
 
 def test_without_the_coordinator_the_mappings_are_lost(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """What the VMM step is for: cuda-checkpoint alone drops VMM mappings."""
+    """What the VMM step is for: cuda-checkpoint alone drops VMM mappings. An
+    image whose VMM state went missing is refused before its tasks run."""
     env = make_env()
     cid, bundle, _, tags = start(env, tmp_path)
     image = tmp_path / "img"
     assert env.box.checkpoint(cid, image).returncode == 0
     (image / "cuda-vmm.state").unlink()  # as if the coordinator had saved nothing
     env.frozen(tags)
+    digest = tree_digest(image)
+    r = env.box.restore(cid, bundle, image)
+    assert r.returncode != 0
+    assert "no regular cuda-vmm.state" in (tmp_path / "img.rwork" / "restore.log").read_text()
+    assert tree_digest(image) == digest
+    st = env.box.state(cid)
+    assert st is None or st["status"] == "stopped"
+    if st is not None:
+        env.box.delete(cid)
+    # A manifest without the VMM step: the coordinator is not run at restore,
+    # and the workload visibly loses its mappings.
+    data = manifest.read(image)
+    data["vmm"] = False
+    manifest.write(image, data)
     assert env.box.restore(cid, bundle, image).returncode == 0
     assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare"]  # not run at restore
     deadline = time.monotonic() + 20
@@ -69,6 +84,20 @@ def test_without_the_coordinator_the_mappings_are_lost(make_env, tmp_path) -> No
         assert time.monotonic() < deadline, [env.lab.status(t) for t in tags]
         time.sleep(0.1)
     assert not any(env.lab.status(t)["intact"] for t in tags)
+
+
+def test_a_stale_vmm_state_in_a_reused_image_dir_is_ignored(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = make_env()
+    cid, bundle, _, tags = start(env, tmp_path, vmm=False)
+    image = tmp_path / "img"
+    assert env.box.checkpoint(cid, image).returncode == 0
+    (image / "cuda-vmm.state").write_text("{}")  # left by an older checkpoint here
+    frozen = env.frozen(tags)
+    assert env.box.restore(cid, bundle, image).returncode == 0
+    env.wait_running(tags, frozen)
+    assert env.lab.vmm_calls() == []  # the coordinator was never run on it
+    assert any("not from this checkpoint" in e.get("warning", "")
+               for e in env.events("post-restore"))
 
 
 def test_no_sockets_plain_path(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
