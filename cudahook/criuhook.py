@@ -41,8 +41,8 @@ from . import manifest, vmm
 from .context import Context
 from .criu_env import CriuCall
 from .discovery import container_pids, discover
-from .errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
-from .store import mark, read_json, write_json_atomic
+from .errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError, report
+from .store import mark, prune_restore_marks, read_json, write_json_atomic
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -61,12 +61,8 @@ def main() -> int:
         if call.action not in HANDLED:
             return Exit.OK
         return run(Context(config.load()), call)
-    except CudahookError as exc:
-        print(f"cudahook: {exc}", file=sys.stderr)
-        return int(exc.exit_code)
     except Exception as exc:  # a bug must still fail the action, in one line
-        print(f"cudahook: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return Exit.FAILED
+        return report(exc)
 
 
 def run(ctx: Context, call: CriuCall) -> int:
@@ -75,8 +71,8 @@ def run(ctx: Context, call: CriuCall) -> int:
     if handler is None:
         return Exit.OK
     run_file = ctx.store.run_path(_run_key(ctx, call.criu_pid))
-    progress: dict[str, Any] = read_json(run_file) or {}
-    done = progress.setdefault("done", {})
+    progress = _progress(read_json(run_file))
+    done = progress["done"]
     if call.action in done:
         return int(done[call.action])  # the second of CRIU's two calls
     try:
@@ -95,6 +91,27 @@ def run(ctx: Context, call: CriuCall) -> int:
     return rc
 
 
+def _progress(data: Any) -> dict[str, Any]:
+    """A run's progress file as written by run(): anything else in its place
+    (another type, a damaged entry) counts as no progress at all."""
+    if not isinstance(data, dict):
+        return {"done": {}}
+    done = data.get("done")
+    if not isinstance(done, dict) or not all(
+            k in HANDLED and type(v) is int and v in tuple(Exit) for k, v in done.items()):
+        data["done"] = {}
+    # What post-restore kept for post-resume, if it has the shape it wrote.
+    if not isinstance(data.get("manifest"), dict):
+        data.pop("manifest", None)
+    mapping = data.get("device_map")
+    if mapping is not None and not (isinstance(mapping, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in mapping.items())):
+        data.pop("device_map")
+    if not isinstance(data.get("vmm_dir"), (str, type(None))):
+        data.pop("vmm_dir")
+    return data
+
+
 def _run_key(ctx: Context, criu_pid: int) -> str:
     try:
         return f"{criu_pid}-{ctx.host.start_time(criu_pid)}"
@@ -109,7 +126,10 @@ def _container(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, Cont
     except Exception:
         start = None
     record = ctx.store.find_by_pid(init_pid, start)
-    opts = ann.parse({ann.PREFIX + k: v for k, v in (record or {}).get("options", {}).items()})
+    options = (record or {}).get("options")
+    if not isinstance(options, dict):
+        options = {}
+    opts = ann.parse({ann.PREFIX + str(k): v for k, v in options.items()})
     settings = opts.apply(ctx.settings)
     if settings is not ctx.settings:
         ctx = Context(settings, ctx.host)
@@ -119,7 +139,17 @@ def _container(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, Cont
 def _need_init(call: CriuCall) -> int:
     if call.init_pid is None:
         raise UsageError(f"{call.action}: CRTOOLS_INIT_PID is not set")
+    if not os.path.isdir(f"/proc/{call.init_pid}"):
+        raise UsageError(f"{call.action}: CRTOOLS_INIT_PID {call.init_pid}: no such process")
     return call.init_pid
+
+
+def _visible(record: dict[str, Any] | None) -> list[str] | None:
+    """The record's GPU list, if it is one (records are files under /run)."""
+    visible = (record or {}).get("visible")
+    if isinstance(visible, list) and all(isinstance(v, str) for v in visible):
+        return visible
+    return None
 
 
 def _gpu_uuids(ctx: Context, visible: list[str] | None) -> list[str]:
@@ -170,7 +200,7 @@ def _pre_dump(ctx: Context, call: CriuCall, progress: dict[str, Any], init_pid: 
 
     # Everything that can refuse runs before any process is touched.
     try:
-        gpus = _gpu_uuids(ctx, (record or {}).get("visible"))
+        gpus = _gpu_uuids(ctx, _visible(record))
         version = ctx.backend.features.version
         with_vmm = interposer_prepare(ctx, cid, found.processes, call)
     except CudahookError as exc:
@@ -276,7 +306,7 @@ def _plan(ctx: Context, call: CriuCall, record: dict[str, Any] | None, opts: ann
         mapping: dict[str, str] | None = parse_device_map(opts.device_map)
         missing = [u for u in (mapping or {}).values() if u not in node]
     else:
-        visible = (record or {}).get("visible")
+        visible = _visible(record)
         target = _gpu_uuids(ctx, visible) if visible else source
         missing = [u for u in target if u not in node]
         mapping = compute_device_map(source, target) if not missing else None
@@ -306,6 +336,7 @@ def post_restore(ctx: Context, call: CriuCall, progress: dict[str, Any]) -> int:
     # names a dead /proc/<criu>/fd/N, seen with CRIU 4.1.1): keep what the
     # restore needs from it now.
     progress["manifest"] = data
+    prune_restore_marks()  # left by restores whose post-resume never ran
     try:  # without the mark the shell would skip post-resume: fail now instead
         mark("restore", str(call.criu_pid))
     except OSError as exc:
@@ -330,11 +361,16 @@ def _vmm_dir(ctx: Context, call: CriuCall, data: dict[str, Any]) -> str | None:
     real = os.path.realpath(call.image_dir)
     if os.path.isdir(real) and vmm.has_state(Path(real)):
         return real
-    import shutil
+    from . import safeio
+    from .store import ensure_private_dir
 
-    copy = ctx.store.run_path(_run_key(ctx, call.criu_pid)).with_suffix(".vmm")
-    copy.mkdir(mode=0o700, exist_ok=True)
-    shutil.copyfile(call.image_dir / vmm.STATE_FILE, copy / vmm.STATE_FILE)
+    copy = ensure_private_dir(ctx.store.run_path(_run_key(ctx, call.criu_pid)).with_suffix(".vmm"))
+    (copy / vmm.STATE_FILE).unlink(missing_ok=True)  # CRIU's second call copies again
+    try:
+        safeio.copy_file(call.image_dir / vmm.STATE_FILE, copy / vmm.STATE_FILE,
+                         vmm.MAX_STATE_BYTES)
+    except safeio.FileRefused as exc:
+        raise EnvironmentProblem(f"post-restore: {vmm.STATE_FILE}: {exc}") from None
     return str(copy)
 
 
@@ -402,6 +438,10 @@ def fail_closed(ctx: Context, init_pid: int) -> int:
         pids, _ = container_pids(ctx.host, init_pid)
     except Exception:
         pids = [init_pid]
+    # Never a process group (0, negatives), the host's init, nor CRIU or
+    # ourselves: only the restored container's processes.
+    spare = {os.getpid(), os.getppid()}
+    pids = [p for p in pids if type(p) is int and p > 1 and p not in spare]
     killed = 0
     for pid in sorted(pids, key=lambda p: p != init_pid):
         try:

@@ -27,6 +27,9 @@ from .sockets import list_sockets
 
 CONTROL_DIR = "/snapshot-control"
 STATE_FILE = "cuda-vmm.state"
+# The coordinator's saved state is copied out of the image at post-restore
+# when the image directory is out of reach by post-resume; nothing larger.
+MAX_STATE_BYTES = 1 << 30
 
 
 class VmmRefused(CudahookError):

@@ -50,11 +50,12 @@ def bundle_of(args: list[str]) -> str:
 def add_hooks(bundle: str, hook: str) -> bool:
     """Add the hooks to config.json if this is a GPU container; True if changed."""
     from .annotations import PREFIX
-    from .oci import visible_devices
+    from .oci import read_config, visible_devices
 
     path = os.path.join(bundle, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = read_config(bundle)
+    if not isinstance(cfg, dict):
+        raise ValueError("config.json is not a JSON object")
     notes = cfg.get("annotations") or {}
     enabled = notes.get(PREFIX + "enabled")
     env = (cfg.get("process") or {}).get("env") or []
@@ -70,7 +71,8 @@ def add_hooks(bundle: str, hook: str) -> bool:
             changed = True
     if changed:
         tmp = f"{path}.cudahook.{os.getpid()}"
-        with open(tmp, "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
             json.dump(cfg, f)
         os.chmod(tmp, os.stat(path).st_mode & 0o7777)
         os.replace(tmp, path)
@@ -106,8 +108,10 @@ def main(argv: list[str]) -> int:
         try:
             if add_hooks(bundle, hook):
                 log(opts, "info", f"added OCI hooks to {bundle}/config.json")
-        except (OSError, ValueError, AttributeError, TypeError) as exc:
-            log(opts, "warning", f"could not add OCI hooks to {bundle}: {exc}")
+        except Exception as exc:  # never blocks the container: runc runs either way
+            from .errors import one_line
+
+            log(opts, "warning", one_line(f"could not add OCI hooks to {bundle}: {exc}"))
     try:
         os.execv(runc, [runc, *args])
     except OSError as exc:
