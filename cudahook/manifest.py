@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CudahookError
+from .errors import CudahookError, Exit
 from .store import write_json_atomic
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -25,7 +25,9 @@ MAX_BYTES = 32 << 20
 
 
 class ManifestError(CudahookError):
-    pass
+    """The checkpoint's manifest is unusable: bad input, nothing was changed."""
+
+    exit_code = Exit.USAGE
 
 
 def write(image_dir: Path, data: dict[str, Any]) -> Path:
