@@ -42,6 +42,7 @@ from .context import Context
 from .criu_env import CriuCall
 from .discovery import container_pids, discover
 from .errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError, report
+from .host import Host
 from .store import mark, prune_restore_marks, read_json, write_json_atomic
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -139,8 +140,14 @@ def _container(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, Cont
 def _need_init(call: CriuCall) -> int:
     if call.init_pid is None:
         raise UsageError(f"{call.action}: CRTOOLS_INIT_PID is not set")
-    if not os.path.isdir(f"/proc/{call.init_pid}"):
-        raise UsageError(f"{call.action}: CRTOOLS_INIT_PID {call.init_pid}: no such process")
+    try:
+        parent = Host().ppid(call.init_pid)
+    except Exception:
+        raise UsageError(f"{call.action}: CRTOOLS_INIT_PID {call.init_pid}: "
+                         "no such process") from None
+    if parent in (0, 2):  # the kernel's own threads: nothing CRIU restores or dumps
+        raise UsageError(f"{call.action}: CRTOOLS_INIT_PID {call.init_pid} is a kernel thread, "
+                         "not a container's init")
     return call.init_pid
 
 
