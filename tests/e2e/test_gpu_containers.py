@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+import yaml
 
 from cudahook import manifest
 
@@ -225,6 +226,12 @@ def test_containers_without_gpu_never_start_python(make_env, tmp_path) -> None: 
     container; a container holding GPU device nodes (an NVML monitor) does
     start Python, which finds no CUDA process and lets CRIU go on."""
     env = make_env()
+    # The shell's device test covers the default device_pattern only (see
+    # hooks/cudahook-lib.sh); containers see /dev/nvidia*, so the lab's
+    # wider pattern is not needed here.
+    cfg = yaml.safe_load(env.config.read_text())
+    del cfg["device_pattern"]
+    env.config.write_text(yaml.safe_dump(cfg))
     plain = env.box.bundle("plain", [], others=["sleep 100000"], visible=[])
     cid = env.cid()
     assert env.box.run(cid, plain).returncode == 0
@@ -240,3 +247,12 @@ def test_containers_without_gpu_never_start_python(make_env, tmp_path) -> None: 
     assert env.box.checkpoint(cid2, tmp_path / "img2").returncode == 0
     pre = env.wait_event("pre-dump")
     assert pre["cuda_processes"] == 0 and pre["container"] == cid2
+
+    # A configured device_pattern is Python's to apply: then even a plain
+    # container's pre-dump starts Python, which finds nothing to do.
+    env.config.write_text(yaml.safe_dump({**cfg, "device_pattern": r"^/dev/nvidia[0-9]+$"}))
+    cid3 = env.cid()
+    assert env.box.run(cid3, plain).returncode == 0
+    assert env.box.checkpoint(cid3, tmp_path / "img3").returncode == 0
+    pres = env.events("pre-dump")
+    assert len(pres) == 2 and pres[-1]["container"] is None and pres[-1]["cuda_processes"] == 0
