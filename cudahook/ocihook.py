@@ -48,10 +48,13 @@ def _stage(argv: list[str]) -> str:
 
 
 def _read_stdin() -> str:
-    """At most MAX_STATE + 1 bytes of stdin, as text (bad UTF-8 is kept as
-    replacement characters: the JSON parser then refuses it in one line)."""
+    """At most MAX_STATE + 1 bytes of stdin (read_state refuses more), as
+    UTF-8 text (RFC 8259)."""
     data = sys.stdin.buffer.read(oci.MAX_STATE + 1)
-    return data.decode("utf-8", errors="replace")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError("container state on stdin is not JSON: not UTF-8") from None
 
 
 def _pid(state: dict) -> int | None:  # type: ignore[type-arg]
