@@ -74,8 +74,12 @@ def run(ctx: Context, call: CriuCall) -> int:
     run_file = ctx.store.run_path(_run_key(ctx, call.criu_pid))
     progress = _progress(read_json(run_file))
     done = progress["done"]
-    if call.action in done:
-        return int(done[call.action])  # the second of CRIU's two calls
+    if call.action in done:  # the second of CRIU's two calls
+        rc = int(done[call.action])
+        if rc:  # its failure was told at the first call; say so again, in one line
+            print(f"cudahook: {call.action}: failed earlier in this CRIU run (exit {rc}); "
+                  f"see {ctx.settings.log_file}", file=sys.stderr)
+        return rc
     try:
         rc = handler(ctx, call, progress)
     except CudahookError as exc:

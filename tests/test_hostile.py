@@ -541,3 +541,21 @@ def test_no_gpu_mark_no_record(root: Path, hooks: dict[str, Path], tmp_path: Pat
     r = run_hook(hooks, root, "createRuntime", gpu_state(tmp_path, sleeper.pid))
     one_line_error(r, 5, "cudahook-marks")
     assert record(root, "c") is None
+
+
+def test_second_call_of_a_failed_action_says_so_in_one_line(root: Path,
+                                                            sleeper: subprocess.Popen[bytes]) -> None:
+    """CRIU runs each action twice; the second call returns the first one's
+    failure, and a failure is never silent."""
+    runs = root / "run" / "cudahook" / "runs"
+    runs.mkdir(parents=True, mode=0o700)
+    os.chmod(root / "run" / "cudahook", 0o700)
+    from cudahook.host import Host
+
+    key = f"{os.getpid()}-{Host().start_time(os.getpid())}"
+    (runs / f"{key}.json").write_text('{"done": {"pre-dump": 1}}')
+    r = subprocess.run([sys.executable, "-I", "-c", "import sys; from cudahook.criuhook "
+                        "import main; sys.exit(main())"], capture_output=True, timeout=60,
+                       env=env_of(root, CRTOOLS_SCRIPT_ACTION="pre-dump",
+                                  CRTOOLS_INIT_PID=str(sleeper.pid)))
+    one_line_error(r, 1, "failed earlier in this CRIU run")
