@@ -57,7 +57,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 def oci(stage: str, state: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> int:
-    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(state)))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(state).encode())))
     return ocihook.main([stage])
 
 

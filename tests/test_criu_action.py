@@ -277,10 +277,12 @@ def test_post_restore_without_manifest_or_with_a_bad_one(node: Node, tmp_path: P
     script = install(tmp_path, node)
     image = tmp_path / "img"
     image.mkdir()
-    r = action(script, "post-restore", CRTOOLS_INIT_PID="1", CRTOOLS_IMAGE_DIR=str(image))
+    init = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    node.procs.append(init)  # type: ignore[arg-type]
+    r = action(script, "post-restore", CRTOOLS_INIT_PID=str(init.pid), CRTOOLS_IMAGE_DIR=str(image))
     assert r.returncode == 0, r.stderr
     (image / manifest.NAME).write_text('{"version": 1, "processes": "x"}')
-    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID="1",
+    r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                CRTOOLS_IMAGE_DIR=str(image))
     assert r.returncode != 0
     assert "malformed process list" in r.stderr and r.stderr.count("\n") == 1

@@ -179,7 +179,7 @@ def test_snapshot_control_source_and_root(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cfg, words", [
-    ("{not json", "unreadable"),
+    ("{not json", "not JSON"),
     ("[]", "not a JSON object"),
     ({"process": "x"}, "malformed"),
     ({"linux": ["x"]}, "malformed"),

@@ -16,6 +16,11 @@ from cudahook.platform import paths
 from cudahook.platform.atomic import write_atomic
 
 NAMES = ("cudahook-oci-hook", "cudahook-criu-action", "cudahook-runtime")
+# The shell fast paths the three share: the templates source it from beside
+# themselves; an installed hook carries it inline (a wrapper reached through a
+# symlink in /usr/local/bin has nothing beside it).
+LIB = "cudahook-lib.sh"
+SOURCE_LIB = f'. "${{0%/*}}/{LIB}"'
 
 
 def templates_dir() -> Path:
@@ -36,6 +41,11 @@ def render(name: str, python: str, config: str | None = None,
     root = "" if root in ("", "/") else root
     out = []
     for line in (templates_dir() / name).read_text().splitlines():
+        if line.strip() == SOURCE_LIB:
+            out.append(f"# --- {LIB} ---")
+            out.extend((templates_dir() / LIB).read_text().splitlines())
+            out.append(f"# --- end of {LIB} ---")
+            continue
         key = line.split("=", 1)[0]
         if values and "=" in line and key in values and key.isupper():
             out.append(f"{key}={shlex.quote(values[key])}")

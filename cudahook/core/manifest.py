@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cudahook.platform.errors import CudahookError
-from cudahook.platform.store import read_json, write_json_atomic
+from cudahook.platform.errors import CudahookError, Exit
+from cudahook.platform.store import write_json_atomic
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -20,10 +20,14 @@ if TYPE_CHECKING:
 
 NAME = "cudahook-manifest.json"
 VERSION = 1
+# A manifest holds a few lines per CUDA process; anything near this is not ours.
+MAX_BYTES = 32 << 20
 
 
 class ManifestError(CudahookError):
-    pass
+    """The checkpoint's manifest is unusable: bad input, nothing was changed."""
+
+    exit_code = Exit.USAGE
 
 
 def write(image_dir: Path, data: dict[str, Any]) -> Path:
@@ -33,22 +37,42 @@ def write(image_dir: Path, data: dict[str, Any]) -> Path:
 
 
 def read(image_dir: Path) -> dict[str, Any] | None:
-    """The manifest, or None when the checkpoint holds no CUDA state."""
+    """The manifest, or None when the checkpoint holds no CUDA state.
+
+    The image comes from wherever the checkpoint was stored: the manifest is
+    read like any file someone else controls (no symlink, regular file, size
+    cap, deadline) and validated against config/manifest.schema.json.
+    """
+    from cudahook.platform import safeio
+
     path = image_dir / NAME
-    if not path.exists():
+    try:
+        data = safeio.load_json(path, MAX_BYTES)
+    except FileNotFoundError:
         return None
-    data = read_json(path)
+    except (OSError, safeio.FileRefused) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else str(exc).removeprefix(f"{path}: ")
+        raise ManifestError(f"{NAME} in the checkpoint is unreadable ({why})") from None
     if not isinstance(data, dict):
-        raise ManifestError(f"{NAME} in the checkpoint is unreadable")
+        raise ManifestError(f"{NAME} in the checkpoint is unreadable (not a JSON object)")
     if type(data.get("version")) is not int or data["version"] != VERSION:
         raise ManifestError(
             f"{NAME} has version {data.get('version')!r}; this cudahook reads version {VERSION}"
         )
-    procs = data.get("processes")
-    if not isinstance(procs, list) or not all(
-        isinstance(p, dict) and type(p.get("nspid")) is int and p["nspid"] > 0 for p in procs
-    ):
-        raise ManifestError(f"{NAME}: malformed process list")
-    if not isinstance(data.get("gpus", []), list):
-        raise ManifestError(f"{NAME}: malformed GPU list")
+    _validate(data)
     return data
+
+
+def _validate(data: dict[str, Any]) -> None:
+    from cudahook.platform.config import validate
+    from cudahook.platform.errors import ConfigError
+
+    try:
+        validate(data, "manifest.schema.json", NAME)
+    except ConfigError as exc:
+        text = str(exc)
+        # Name the part a reader looks for first; the schema says the rest.
+        for key, what in (("processes", "malformed process list"), ("gpus", "malformed GPU list")):
+            if text.startswith(f"{NAME}: {key}"):
+                raise ManifestError(f"{NAME}: {what}: {text.removeprefix(NAME + ': ')}") from None
+        raise ManifestError(text) from None

@@ -28,11 +28,22 @@ def container_for(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, C
     except Exception:
         start = None
     record = ctx.store.find_by_pid(init_pid, start)
-    opts = ann.parse({ann.PREFIX + k: v for k, v in (record or {}).get("options", {}).items()})
+    options = (record or {}).get("options")
+    if not isinstance(options, dict):
+        options = {}
+    opts = ann.parse({ann.PREFIX + str(k): v for k, v in options.items()})
     settings = opts.apply(ctx.settings)
     if settings is not ctx.settings:
         ctx = Context(settings, ctx.host)
     return record, ctx, opts
+
+
+def visible_gpus(record: dict[str, Any] | None) -> list[str] | None:
+    """The record's GPU list, if it is one (records are files under /run)."""
+    visible = (record or {}).get("visible")
+    if isinstance(visible, list) and all(isinstance(v, str) for v in visible):
+        return visible
+    return None
 
 
 def gpu_uuids(ctx: Context, visible: list[str] | None) -> list[str]:
@@ -79,6 +90,10 @@ def kill_container(ctx: Context, init_pid: int) -> int:
         pids, _ = container_pids(ctx.host, init_pid)
     except Exception:
         pids = [init_pid]
+    # Never a process group (0, negatives), the host's init, nor CRIU or
+    # ourselves: only the restored container's processes.
+    spare = {os.getpid(), os.getppid()}
+    pids = [p for p in pids if type(p) is int and p > 1 and p not in spare]
     members = []
     for pid in sorted(pids, key=lambda p: p != init_pid):
         with contextlib.suppress(Exception):

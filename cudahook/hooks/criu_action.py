@@ -28,12 +28,20 @@ from pathlib import Path
 
 from cudahook.core import manifest
 from cudahook.core.discovery import describe_holders, device_files, discover
-from cudahook.platform.errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
-from cudahook.platform.store import mark
+from cudahook.platform.errors import (
+    CudahookError,
+    EnvironmentProblem,
+    Exit,
+    PhaseError,
+    UsageError,
+    report,
+)
+from cudahook.platform.host import Host
+from cudahook.platform.store import mark, prune_restore_marks
 from cudahook.vmm import coordinator as vmm
 
 from . import criu_env, guardian
-from .containers import container_for, gpus_and_models, kill_container, restored_pids
+from .containers import container_for, gpus_and_models, kill_container, restored_pids, visible_gpus
 from .context import Context
 from .criu_env import CriuCall
 from .criu_run import CriuRun
@@ -58,12 +66,8 @@ def main() -> int:
         if call.action not in HANDLED:
             return Exit.OK
         return run(Context(config.load()), call)
-    except CudahookError as exc:
-        print(f"cudahook: {exc}", file=sys.stderr)
-        return int(exc.exit_code)
     except Exception as exc:  # a bug must still fail the action, in one line
-        print(f"cudahook: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return Exit.FAILED
+        return report(exc)
 
 
 def run(ctx: Context, call: CriuCall) -> int:
@@ -76,6 +80,9 @@ def run(ctx: Context, call: CriuCall) -> int:
     criu_run = CriuRun(ctx.store, ctx.host, call.criu_pid)
     earlier = criu_run.outcome(call.action)
     if earlier is not None:
+        if earlier:  # its failure was told at the first call; say so again, in one line
+            print(f"cudahook: {call.action}: failed earlier in this CRIU run (exit {earlier}); "
+                  f"see {ctx.settings.log_file}", file=sys.stderr)
         return earlier
     try:
         rc = step(ctx, call, criu_run)
@@ -192,7 +199,7 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     #    interposer sockets is refused here. Nothing is locked yet: a refusal
     #    aborts the dump and the workload never noticed.
     try:
-        gpus, models = gpus_and_models(ctx, (record or {}).get("visible"))
+        gpus, models = gpus_and_models(ctx, visible_gpus(record))
         version = ctx.backend.features.version
         with_vmm = _interposer_prepare(ctx, cid, found.processes, call)
     except CudahookError as exc:
@@ -395,6 +402,7 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     # 4. The mark that lets the shell start Python at post-resume. Without it
     #    post-resume would be skipped and the workload left checkpointed: fail
     #    the restore now instead, while that is still clean.
+    prune_restore_marks()  # left by restores whose post-resume never ran
     try:
         mark("restore", str(call.criu_pid))
     except OSError as exc:
@@ -500,6 +508,14 @@ def _refuse(ctx: Context, cid: str | None, init_pid: int, cuda_processes: int, c
 def _need_init(call: CriuCall) -> int:
     if call.init_pid is None:
         raise UsageError(f"{call.action}: CRTOOLS_INIT_PID is not set")
+    try:
+        parent = Host().ppid(call.init_pid)
+    except Exception:
+        raise UsageError(f"{call.action}: CRTOOLS_INIT_PID {call.init_pid}: "
+                         "no such process") from None
+    if parent in (0, 2):  # the kernel's own threads: nothing CRIU restores or dumps
+        raise UsageError(f"{call.action}: CRTOOLS_INIT_PID {call.init_pid} is a kernel thread, "
+                         "not a container's init")
     return call.init_pid
 
 

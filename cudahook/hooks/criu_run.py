@@ -26,9 +26,7 @@ class CriuRun:
     def __init__(self, store: Store, host: Host, criu_pid: int):
         self.key = run_key(host, criu_pid)
         self.path: Path = store.run_path(self.key)
-        self.progress: dict[str, Any] = read_json(self.path) or {}
-        if not isinstance(self.progress.get("done"), dict):
-            self.progress["done"] = {}
+        self.progress: dict[str, Any] = _valid(read_json(self.path))
 
     def outcome(self, action: str) -> int | None:
         """The exit status this run's first call of `action` gave, if any."""
@@ -57,3 +55,30 @@ def run_key(host: Host, criu_pid: int) -> str:
         return f"{criu_pid}-{host.start_time(criu_pid)}"
     except Exception:
         return str(criu_pid)
+
+
+def _valid(data: Any) -> dict[str, Any]:
+    """A run's progress file as CriuRun writes it: anything else in its place
+    (another type, a damaged entry) counts as no progress at all."""
+    from cudahook.platform.errors import Exit
+
+    if not isinstance(data, dict):
+        return {"done": {}}
+    done = data.get("done")
+    if not isinstance(done, dict) or not all(
+            k in HANDLED and type(v) is int and v in tuple(Exit) for k, v in done.items()):
+        data["done"] = {}
+    # What post-restore kept for post-resume, if it has the shape it wrote.
+    if not isinstance(data.get("manifest"), dict):
+        data.pop("manifest", None)
+    mapping = data.get("device_map")
+    if mapping is not None and not (isinstance(mapping, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in mapping.items())):
+        data.pop("device_map")
+    if not isinstance(data.get("vmm_dir"), (str, type(None))):
+        data.pop("vmm_dir")
+    return data
+
+
+# The actions whose outcome is kept (the action script's own list).
+HANDLED = ("pre-dump", "post-restore", "post-resume")

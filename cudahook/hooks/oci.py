@@ -22,6 +22,13 @@ if TYPE_CHECKING:
 
 
 MAX_STATE = 1 << 20
+# config.json beyond this is refused (the shell fast path's CUDAHOOK_MAX_CONFIG).
+MAX_CONFIG = 4 << 20
+# Every config.json this module counts as a GPU container, or as one with
+# cudahook's annotations, holds one of these in its raw text: the shell fast
+# paths (hooks/cudahook-lib.sh) send exactly those files, and any with a
+# \u or \/ escape that could spell one, to Python. Keep the two lists equal.
+GPU_MARKERS = ("NVIDIA_VISIBLE_DEVICES", "/dev/nvidia", "nvidia.com/gpu", "cudahook.io/")
 SNAPSHOT_CONTROL = "/snapshot-control"
 _DEVICE = re.compile(r"^/dev/nvidia(\d+)$")
 
@@ -78,15 +85,25 @@ class BundleInfo:
         return bool(self.visible)
 
 
-def read_bundle(bundle: str) -> BundleInfo:
+def read_config(bundle: str) -> Any:
+    """The bundle's config.json, read as a file someone else controls
+    (see safeio): the runtime's bundle directory may be a container image's."""
+    from cudahook.platform.safeio import FileRefused, load_json
+
     path = Path(bundle) / "config.json"
     try:
-        with open(path) as f:
-            cfg = json.load(f)
+        return load_json(path, MAX_CONFIG)
     except FileNotFoundError:
         raise UsageError(f"{path}: no such file") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{path}: unreadable ({exc})") from None
+    except FileRefused as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"{path}: unreadable ({exc.strerror})") from None
+
+
+def read_bundle(bundle: str) -> BundleInfo:
+    path = Path(bundle) / "config.json"
+    cfg = read_config(bundle)
     if not isinstance(cfg, dict):
         raise UsageError(f"{path}: not a JSON object")
     try:

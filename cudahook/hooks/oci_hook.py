@@ -12,35 +12,65 @@ import contextlib
 import sys
 import time
 
-from cudahook.platform.errors import CudahookError, Exit, UsageError
+from cudahook.platform.errors import CudahookError, Exit, StateError, UsageError, one_line, report
 from cudahook.platform.store import mark
 
 from . import annotations as ann
 from . import oci
+from .criu_env import PID_MAX_LIMIT
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-CREATE_STAGES = ("prestart", "createRuntime", "createContainer", "startContainer")
+CREATE_STAGES = ("prestart", "createRuntime")
 STAGES = (*CREATE_STAGES, "poststart", "poststop")
+# Run inside the container's namespaces, where the host's /proc, state
+# directory and tools are not what they seem.
+REFUSED_STAGES = ("createContainer", "startContainer")
 
 
 def main(argv: list[str]) -> int:
     try:
-        if len(argv) != 1 or argv[0] not in STAGES:
-            raise UsageError(f"usage: cudahook-oci-hook {{{'|'.join(STAGES)}}} < state.json")
-        stage = argv[0]
-        state = oci.read_state(sys.stdin.read(oci.MAX_STATE + 1))
+        stage = _stage(argv)
+        state = oci.read_state(_read_stdin())
         if stage in CREATE_STAGES:
             return on_create(stage, state)
         if stage == "poststop":
             return on_poststop(state)
         return Exit.OK
-    except CudahookError as exc:
-        print(f"cudahook: {exc}", file=sys.stderr)
-        return int(exc.exit_code)
+    except Exception as exc:  # every failure is one line and a documented code
+        return report(exc)
+
+
+def _stage(argv: list[str]) -> str:
+    if len(argv) == 1 and argv[0] in REFUSED_STAGES:
+        raise UsageError(f"{argv[0]} runs inside the container's namespaces: register "
+                         "cudahook-oci-hook for createRuntime (or prestart) and poststop")
+    if len(argv) != 1 or argv[0] not in STAGES:
+        raise UsageError(f"usage: cudahook-oci-hook {{{'|'.join(STAGES)}}} < state.json")
+    return argv[0]
+
+
+def _read_stdin() -> str:
+    """At most MAX_STATE + 1 bytes of stdin (read_state refuses more), as
+    UTF-8 text (RFC 8259)."""
+    data = sys.stdin.buffer.read(oci.MAX_STATE + 1)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError("container state on stdin is not JSON: not UTF-8") from None
+
+
+def _pid(state: dict) -> int | None:  # type: ignore[type-arg]
+    """The state's init PID: absent (or 0) before the runtime has one."""
+    pid = state.get("pid")
+    if pid is None or (pid == 0 and type(pid) is int):
+        return None
+    if type(pid) is not int or not 1 < pid <= PID_MAX_LIMIT:
+        raise UsageError(f"container state: pid {one_line(repr(pid), 40)} is not a PID")
+    return pid
 
 
 def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
@@ -48,39 +78,45 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
     opts = ann.parse(info.annotations) if ann.ours(info.annotations) else ann.Options()
     if opts.enabled is False or not (info.wants_gpu or opts.enabled):
         return Exit.OK
-    oci.validate_state(state)
+    # Only what cudahook uses is checked: a detail of the runtime-spec
+    # schema it does not use must not stop a container.
     from cudahook.platform import config
     from cudahook.platform.store import check_id
 
     from .context import Context
 
-    ctx = Context(config.load())
     cid = check_id(state["id"])
-    pid = state.get("pid") or None
+    pid = _pid(state)
+    ctx = Context(config.load())
     start = None
     if pid:
         try:
             start = ctx.host.start_time(pid)
         except Exception:
             raise UsageError(f"container {cid}: init PID {pid} does not exist") from None
+    # The mark first: without it poststop's shell would never start Python
+    # and the record would outlive the container.
+    try:
+        mark("gpu", cid)
+    except OSError as exc:
+        raise StateError(f"container {cid}: cannot leave its mark: {exc.strerror}") from None
     with ctx.store.locked(cid):
         record = ctx.store.load(cid) or {"id": cid, "created": time.time()}
         restored = bool(record.get("pid")) and record.get("pid") != pid
+        restores = record.get("restores")
         record.update(
             bundle=state["bundle"],
             pid=pid,
             pid_start=start,
-            status=state.get("status"),
+            status=state.get("status") if isinstance(state.get("status"), str) else None,
             options=ann.ours(info.annotations),
             visible=info.visible,
             snapshot_control=info.snapshot_control,
             updated=time.time(),
         )
         if restored:
-            record["restores"] = record.get("restores", 0) + 1
+            record["restores"] = (restores if type(restores) is int else 0) + 1
         ctx.store.save(cid, record)
-    with contextlib.suppress(OSError):  # without it only poststop's cleanup is skipped
-        mark("gpu", cid)
     ctx.log(f"oci-{stage}", container=cid, pid=pid, visible=info.visible)
     return Exit.OK
 
@@ -97,7 +133,7 @@ def on_poststop(state: dict) -> int:  # type: ignore[type-arg]
         mark("gpu", cid, on=False)
     if record is None:
         return Exit.OK
-    if record.get("snapshot_control") and isinstance(record.get("vmm_sockets"), dict):
+    if isinstance(record.get("snapshot_control"), str) and isinstance(record.get("vmm_sockets"), dict):
         from cudahook.vmm.sockets import remove_owned_sockets
 
         remove_owned_sockets(record["snapshot_control"], record["vmm_sockets"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 from cudahook.platform.errors import EnvironmentProblem
 
 from . import annotations as ann
-from .containers import gpu_uuids, gpus_and_models
+from .containers import gpu_uuids, gpus_and_models, visible_gpus
 from .context import Context
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -55,7 +55,7 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
                 "every GPU the processes used")
         missing = [u for u in (mapping or {}).values() if u not in node]
     else:
-        visible = (record or {}).get("visible")
+        visible = visible_gpus(record)
         target = gpu_uuids(ctx, visible) if visible else source
         missing = [u for u in target if u not in node]
         mapping = compute_device_map(source, target) if not missing else None

@@ -52,11 +52,12 @@ def bundle_of(args: list[str]) -> str:
 def add_hooks(bundle: str, hook: str) -> bool:
     """Add the hooks to config.json if this is a GPU container; True if changed."""
     from .annotations import PREFIX
-    from .oci import visible_devices
+    from .oci import read_config, visible_devices
 
     path = os.path.join(bundle, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = read_config(bundle)
+    if not isinstance(cfg, dict):
+        raise ValueError("config.json is not a JSON object")
     notes = cfg.get("annotations") or {}
     enabled = notes.get(PREFIX + "enabled")
     env = (cfg.get("process") or {}).get("env") or []
@@ -105,8 +106,10 @@ def main(argv: list[str]) -> int:
         try:
             if add_hooks(bundle, hook):
                 log(opts, "info", f"added OCI hooks to {bundle}/config.json")
-        except (OSError, ValueError, AttributeError, TypeError) as exc:
-            log(opts, "warning", f"could not add OCI hooks to {bundle}: {exc}")
+        except Exception as exc:  # never blocks the container: runc runs either way
+            from cudahook.platform.errors import one_line
+
+            log(opts, "warning", one_line(f"could not add OCI hooks to {bundle}: {exc}"))
     try:
         os.execv(runc, [runc, *args])
     except OSError as exc:

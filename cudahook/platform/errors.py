@@ -87,3 +87,34 @@ class PhaseError(CudahookError):
         self.result = result
         self.exit_code = Exit.FAILED if safe else Exit.UNSAFE
         super().__init__(f"{phase} failed: " + "; ".join(errors))
+
+
+def one_line(text: str, limit: int = 2000) -> str:
+    """`text` safe to echo as one line: every control or non-printable
+    character escaped (a newline in an annotation key must not become a
+    second line in the runtime's output), and cut at `limit` characters."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return out if len(out) <= limit else out[:limit] + "..."
+
+
+def report(exc: BaseException, prog: str = "cudahook") -> int:
+    """Print `exc` as one line on stderr; the documented exit code for it.
+
+    cudahook's own errors carry their code. Outside them: input nested past
+    the interpreter's recursion limit is bad input (2); a filesystem that
+    refuses cudahook's state (read-only, full, a file where a directory
+    belongs) is the environment (5); anything else is a failure (1).
+    """
+    import sys
+
+    if isinstance(exc, CudahookError):
+        text, code = str(exc), int(exc.exit_code)
+    elif isinstance(exc, RecursionError):
+        text, code = "input nested too deeply", int(Exit.USAGE)
+    elif isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        text, code = f"{where}{exc.strerror or exc}", int(Exit.ENVIRONMENT)
+    else:
+        text, code = f"internal error: {type(exc).__name__}: {exc}", int(Exit.FAILED)
+    print(f"{prog}: {one_line(text)}", file=sys.stderr)
+    return code

@@ -29,7 +29,9 @@ def log(path: str, event: str, *, error: str | None = None, **fields: Any) -> No
     line = {"ts": round(time.time(), 3), "event": event, **fields}
     if error:
         line["error"] = error
-        print(f"cudahook: {event}: {error}", file=sys.stderr)
+        from cudahook.platform.errors import one_line
+
+        print(f"cudahook: {one_line(f'{event}: {error}')}", file=sys.stderr)
     if not path:
         return
     data = (json.dumps(line, sort_keys=True, default=str) + "\n").encode()

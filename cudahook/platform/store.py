@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import re
 import stat
@@ -99,13 +98,19 @@ def check_id(container_id: str) -> str:
     return container_id
 
 
+# Records, progress and history files are a few kilobytes; a bigger one was
+# not written by cudahook.
+MAX_FILE = 1 << 20
+
+
 def read_json(path: Path) -> Any | None:
+    """The file's JSON, or None when it is missing or not what cudahook wrote
+    (a symlink, a directory, a FIFO, too large, not JSON, nested too deeply)."""
+    from cudahook.platform.safeio import FileRefused, load_json
+
     try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
+        return load_json(path, MAX_FILE)
+    except (OSError, FileRefused):
         return None
 
 
@@ -146,6 +151,39 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def prune_restore_marks() -> None:
+    """Remove restore marks of CRIU runs that are gone: post-resume removes
+    its own, but it never runs when CRIU dies or the restore fails first."""
+    d = marks_dir() / "restore"
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    for name in names:
+        if name.isdigit() and not os.path.isdir(f"/proc/{name}"):
+            with contextlib.suppress(OSError):
+                os.unlink(d / name)
+
+
+# How long a hook waits for another one's lock on the same container.
+LOCK_WAIT_S = 10.0
+
+
+def _flock(fd: int, path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise StateError(f"{path}: held by another cudahook process for "
+                                 f"{timeout_s:g}s; giving up") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
 class Store:
     def __init__(self, state_dir: str | os.PathLike[str]):
         self.root = Path(state_dir)
@@ -163,16 +201,21 @@ class Store:
         return self._dir("containers") / f"{check_id(container_id)}.lock"
 
     @contextlib.contextmanager
-    def locked(self, container_id: str) -> Iterator[None]:
+    def locked(self, container_id: str, timeout_s: float = LOCK_WAIT_S) -> Iterator[None]:
+        """Hold the container's lock; StateError after `timeout_s` of waiting
+        (a hook that waits forever holds up the runtime, or CRIU)."""
         path = self.lock_path(container_id)
-        fd = _lock(path)
+        fd = _lock(path, timeout_s=timeout_s)
+        assert fd is not None
         try:
             yield
         finally:
             os.close(fd)
 
     def load(self, container_id: str) -> dict[str, Any] | None:
-        return read_json(self.record_path(container_id))
+        """The record, if there is one of the shape cudahook writes."""
+        record = read_json(self.record_path(container_id))
+        return record if isinstance(record, dict) else None
 
     def save(self, container_id: str, record: dict[str, Any]) -> None:
         write_json_atomic(self.record_path(container_id), record)
@@ -234,10 +277,15 @@ class Store:
 
     # -- results kept past the container's life -------------------------------
 
-    def remember(self, container_id: str, kind: str, result: dict[str, Any]) -> None:
+    def remember(self, container_id: str, kind: str, result: dict[str, Any],
+                 timeout_s: float = 1.0) -> None:
+        """Keep a result for `cudahook status`. Only history: the lock wait
+        is short (a checkpointed workload waits on whoever calls this)."""
         path = self._dir("history") / f"{check_id(container_id)}.json"
-        with self.locked(container_id):
-            data = read_json(path) or {}
+        with self.locked(container_id, timeout_s):
+            data = read_json(path)
+            if not isinstance(data, dict):
+                data = {}
             data[kind] = result
             write_json_atomic(path, data)
 
@@ -245,7 +293,11 @@ class Store:
         d = self.root / "history"
         if not d.is_dir():
             return {}
-        return {p.stem: read_json(p) or {} for p in sorted(d.glob("*.json"))}
+        out = {}
+        for p in sorted(d.glob("*.json")):
+            data = read_json(p)
+            out[p.stem] = data if isinstance(data, dict) else {}
+        return out
 
     # -- progress of one CRIU run (its actions run twice) -----------------------
 
@@ -331,20 +383,34 @@ def _older(path: Path, cutoff: float) -> bool:
         return False
 
 
-def _lock(path: Path, *, wait: bool = True) -> int | None:
-    """An fd holding the lock file `path`, exclusively. The file can be
+def _lock(path: Path, *, wait: bool = True, timeout_s: float = LOCK_WAIT_S) -> int | None:
+    """An fd holding the lock file `path`, exclusively; StateError after
+    `timeout_s` of waiting. Without `wait`, None at once when it is held.
+
+    The file must be a regular file reached without a symlink. It can be
     unlinked by its holder (Store.delete): a waiter that then gets the lock
     of an unlinked file holds nothing anyone else will ever ask for, so it
     checks that `path` still names the file it locked and otherwise starts
-    over with the file now there. Without `wait`, None when it is held."""
+    over with the file now there."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                os.close(fd)
-                return None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise StateError(f"{path}: cannot open the lock ({exc.strerror}); "
+                             "refusing to use it") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StateError(f"{path}: the lock is not a regular file; refusing to use it")
+            if wait:
+                _flock(fd, path, max(0.0, deadline - time.monotonic()))
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    return None
             try:
                 same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

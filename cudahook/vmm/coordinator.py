@@ -33,6 +33,9 @@ from .sockets import owned_socket
 
 CONTROL_DIR = "/snapshot-control"
 STATE_FILE = "cuda-vmm.state"
+# The coordinator's saved state is copied out of the image at post-restore
+# when the image directory is out of reach by post-resume; nothing larger.
+MAX_STATE_BYTES = 1 << 30
 
 
 class VmmRefused(CudahookError):
@@ -151,10 +154,15 @@ def locate_state(image_dir: Path, private_copy: Path) -> str | None:
     real = os.path.realpath(image_dir)
     if os.path.isdir(real) and has_state(Path(real)):
         return real
-    import shutil
+    from cudahook.platform import safeio
+    from cudahook.platform.store import ensure_private_dir
 
-    private_copy.mkdir(mode=0o700, exist_ok=True)
-    shutil.copyfile(image_dir / STATE_FILE, private_copy / STATE_FILE)
+    ensure_private_dir(private_copy)
+    (private_copy / STATE_FILE).unlink(missing_ok=True)  # CRIU's second call copies again
+    try:
+        safeio.copy_file(image_dir / STATE_FILE, private_copy / STATE_FILE, MAX_STATE_BYTES)
+    except safeio.FileRefused as exc:
+        raise EnvironmentProblem(f"post-restore: {STATE_FILE}: {exc}") from None
     return str(private_copy)
 
 

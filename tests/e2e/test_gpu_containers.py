@@ -8,6 +8,7 @@ import re
 import time
 
 import pytest
+import yaml
 
 from cudahook.core import manifest
 
@@ -258,6 +259,12 @@ def test_containers_without_gpu_never_start_python(make_env, tmp_path) -> None: 
     start Python, which finds no CUDA process but the device files CRIU
     cannot dump, and refuses, naming them, before CRIU fails on them."""
     env = make_env()
+    # The shell's device test covers the default device_pattern only (see
+    # hooks/cudahook-lib.sh); containers see /dev/nvidia*, so the lab's
+    # wider pattern is not needed here.
+    cfg = yaml.safe_load(env.config.read_text())
+    del cfg["device_pattern"]
+    env.config.write_text(yaml.safe_dump(cfg))
     plain = env.box.bundle("plain", [], others=["sleep 100000"], visible=[])
     cid = env.cid()
     assert env.box.run(cid, plain).returncode == 0
@@ -277,6 +284,16 @@ def test_containers_without_gpu_never_start_python(make_env, tmp_path) -> None: 
     assert "holds /dev/nvidia0, /dev/nvidiactl" in pre["error"] and "nothing was locked" in pre["error"]
     assert env.box.state(cid2)["status"] == "running"
     env.lab.wait_counter("mon", env.lab.status("mon")["counter"] + 2)
+
+    # A configured device_pattern is Python's to apply: then even a plain
+    # container's pre-dump starts Python, which finds nothing to do.
+    env.config.write_text(yaml.safe_dump({**cfg, "device_pattern": r"^/dev/nvidia[0-9]+$"}))
+    cid3 = env.cid()
+    assert env.box.run(cid3, plain).returncode == 0
+    assert env.box.checkpoint(cid3, tmp_path / "img3").returncode == 0
+    pres = env.events("pre-dump")
+    assert len(pres) == 2 and pres[-1]["container"] is None and pres[-1]["cuda_processes"] == 0
+
 
 
 def test_simulated_device_nodes_fail_the_dump_like_real_ones(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
