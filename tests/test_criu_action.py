@@ -18,7 +18,7 @@ from cudahook.admin import hookfiles
 from cudahook.core import manifest
 from cudahook.hooks import criu_env
 from cudahook.platform.errors import UsageError
-from cudahook.platform.store import mark
+from cudahook.platform.marks import mark
 
 from .conftest import Node
 

@@ -21,7 +21,7 @@ from cudahook.admin import hookfiles
 from cudahook.core import manifest
 from cudahook.core.manifest import ManifestError
 from cudahook.hooks import criu_env, oci
-from cudahook.platform import safeio, store
+from cudahook.platform import marks, safeio
 from cudahook.platform.errors import StateError, UsageError, one_line
 from cudahook.platform.store import Store
 
@@ -103,7 +103,7 @@ def test_bad_init_pid_is_exit_2_in_one_line(root: Path, hooks: dict[str, Path], 
     image = tmp_path / "img"
     image.mkdir()
     manifest.write(image, {k: v for k, v in GOOD.items() if k != "version"})
-    store.mark("restore", str(os.getpid()))  # post-resume's shell then starts Python
+    marks.mark("restore", str(os.getpid()))  # post-resume's shell then starts Python
     text = str(dead_pid()) if pid == "dead" else pid
     r = subprocess.run([str(hooks["cudahook-criu-action"])], capture_output=True, timeout=60,
                        env=env_of(root, CRTOOLS_SCRIPT_ACTION=action, CRTOOLS_INIT_PID=text,
@@ -113,7 +113,7 @@ def test_bad_init_pid_is_exit_2_in_one_line(root: Path, hooks: dict[str, Path], 
 
 KILLER = """
 import os, subprocess, sys
-from cudahook.platform.store import mark
+from cudahook.platform.marks import mark
 mark("restore", str(os.getpid()))  # as post-restore leaves it for this CRIU run
 r = subprocess.run([sys.argv[1]], capture_output=True, text=True)
 print(r.returncode, r.stderr.strip())
@@ -529,10 +529,10 @@ def test_lock_is_taken_when_free(root: Path) -> None:
 
 
 def test_stale_restore_marks_are_pruned(root: Path) -> None:
-    store.mark("restore", str(os.getpid()))
-    store.mark("restore", str(dead_pid()))
-    store.prune_restore_marks()
-    assert os.listdir(store.marks_dir() / "restore") == [str(os.getpid())]
+    marks.mark("restore", str(os.getpid()))
+    marks.mark("restore", str(dead_pid()))
+    marks.prune_restore_marks()
+    assert os.listdir(marks.marks_dir() / "restore") == [str(os.getpid())]
 
 
 def test_no_gpu_mark_no_record(root: Path, hooks: dict[str, Path], tmp_path: Path,

@@ -37,7 +37,7 @@ from cudahook.platform.errors import (
     report,
 )
 from cudahook.platform.host import Host
-from cudahook.platform.store import mark, prune_restore_marks
+from cudahook.platform.marks import mark, prune_restore_marks
 from cudahook.vmm import coordinator as vmm
 
 from . import criu_env, guardian

@@ -13,7 +13,7 @@ import sys
 import time
 
 from cudahook.platform.errors import CudahookError, Exit, StateError, UsageError, one_line, report
-from cudahook.platform.store import mark
+from cudahook.platform.marks import mark
 
 from . import annotations as ann
 from . import oci

@@ -17,7 +17,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .store import check_id, ensure_private_dir
+from .privdir import ensure_private_dir
+from .store import check_id
 
 
 class Busy(Exception):

@@ -67,7 +67,7 @@ def remember(path: Path, key: list[int] | None, settings: dict[str, Any]) -> Non
         data[str(path.resolve())] = {"key": key, "settings": settings, "at": time.time()}
         newest = sorted(data.items(), key=lambda kv: _age_key(kv[1]))[-CACHE_ENTRIES:]
         from .atomic import write_json_atomic
-        from .store import ensure_private_dir
+        from .privdir import ensure_private_dir
 
         ensure_private_dir(cache.parent)
         write_json_atomic(cache, dict(newest))

@@ -25,65 +25,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import paths
 from .atomic import write_json_atomic
 from .errors import StateError, UsageError
+from .privdir import ensure_private_dir
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
-
-
-def marks_dir() -> Path:
-    """Marks the hooks' shell fast paths test before they start Python."""
-    return paths.at(paths.MARKS_DIR)
-
-
-def ensure_private_dir(path: Path) -> Path:
-    """`path` as a private directory: created 0700 (parents too) when absent;
-    when present, it must be a real directory (not a symlink), owned by us and
-    writable by nobody else. The hooks run as root and these files steer what
-    they do to containers: a directory someone else controls, or a symlink to
-    one, is refused rather than used or "fixed" by a chmod through the link."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileNotFoundError:
-        ensure_private_dir(path.parent) if path.parent != path else None
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        raise StateError(f"{path}: not a directory (a symlink or a file); "
-                         "refusing to use it") from None
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise StateError(f"{path}: owned by uid {st.st_uid}, not {os.geteuid()}; "
-                             "refusing to use it")
-        if st.st_mode & 0o022:
-            raise StateError(f"{path}: writable by group or others (mode "
-                             f"{stat.S_IMODE(st.st_mode):o}); refusing to use it")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.fchmod(fd, 0o700)  # ours and safe, but readable: tighten it
-    finally:
-        os.close(fd)
-    return path
-
-
-def mark(kind: str, key: str, *, on: bool = True) -> None:
-    """Set (or clear) a fast-path mark. A stale mark only costs a Python
-    start; a missing one makes the shell skip work, so setting can raise."""
-    path = marks_dir() / kind / check_id(key)
-    if on:
-        ensure_private_dir(marks_dir())
-        ensure_private_dir(path.parent)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
-    else:
-        path.unlink(missing_ok=True)
 
 
 # At most 250 characters: "<id>.json" must fit NAME_MAX (255); a longer id
@@ -121,24 +70,13 @@ RUN_GRACE_S = 600.0
 HISTORY_MAX = 256
 
 
-def _proc_start(pid: int) -> int | None:
-    """Start time of a live (not zombie) process, None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        fields = stat[stat.rindex(")") + 2:].split()
-    except (OSError, ValueError):
-        return None
-    if not fields or fields[0] in "ZX":
-        return None
-    return int(fields[19])
-
-
 def process_alive(pid: Any, start: Any = None) -> bool:
+    """A live (not zombie) process; with `start`, the same one as then."""
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    now = _proc_start(pid)
-    return now is not None and (start is None or start == now)
+    from .host import Host
+
+    return Host().alive(pid, start if isinstance(start, int) else None)
 
 
 def _remove(path: Path) -> None:
@@ -149,20 +87,6 @@ def _remove(path: Path) -> None:
     else:
         with contextlib.suppress(OSError):
             path.unlink()
-
-
-def prune_restore_marks() -> None:
-    """Remove restore marks of CRIU runs that are gone: post-resume removes
-    its own, but it never runs when CRIU dies or the restore fails first."""
-    d = marks_dir() / "restore"
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return
-    for name in names:
-        if name.isdigit() and not os.path.isdir(f"/proc/{name}"):
-            with contextlib.suppress(OSError):
-                os.unlink(d / name)
 
 
 # How long a hook waits for another one's lock on the same container.
@@ -358,6 +282,8 @@ class Store:
             if not self._delete(cid, wait=False):
                 live.add(cid)
                 continue
+            from .marks import mark
+
             with contextlib.suppress(OSError):
                 mark("gpu", cid, on=False)
             removed += 1

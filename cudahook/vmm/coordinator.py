@@ -155,7 +155,7 @@ def locate_state(image_dir: Path, private_copy: Path) -> str | None:
     if os.path.isdir(real) and has_state(Path(real)):
         return real
     from cudahook.platform import safeio
-    from cudahook.platform.store import ensure_private_dir
+    from cudahook.platform.privdir import ensure_private_dir
 
     ensure_private_dir(private_copy)
     (private_copy / STATE_FILE).unlink(missing_ok=True)  # CRIU's second call copies again
