@@ -1,7 +1,7 @@
 """The shell fast paths (hooks/cudahook-lib.sh), decided both ways on purpose.
 
 "No GPU" in the shell skips Python, so it must imply "no GPU" in Python: a
-property test holds config_may_want_gpu to oci.read_bundle on generated
+property test holds config_may_want_gpu to oci_bundle.read_bundle on generated
 config.json files. The action script's may_hold_gpu reads /proc and the
 cgroup tree through CUDAHOOK_PROC_ROOT and CUDAHOOK_CGROUP_ROOT here, so the
 "skip Python" answer comes from a container built for the test, not from the
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from cudahook.admin import hookfiles
 from cudahook.hooks import annotations as ann
-from cudahook.hooks import oci
+from cudahook.hooks import oci_bundle, oci_state
 from cudahook.platform.errors import CudahookError
 
 LIB = hookfiles.templates_dir() / hookfiles.LIB
@@ -34,10 +34,10 @@ NO_PYTHON = "/nonexistent/python"  # a hook that starts Python exits 127
 def test_markers_are_one_list() -> None:
     """The shell's grep and Python's GPU_MARKERS name the same strings."""
     text = LIB.read_text()
-    for marker in oci.GPU_MARKERS:
+    for marker in oci_bundle.GPU_MARKERS:
         assert f"-e {marker}" in text
-    assert f"CUDAHOOK_MAX_STATE={oci.MAX_STATE}" in text
-    assert f"CUDAHOOK_MAX_CONFIG={oci.MAX_CONFIG}" in text
+    assert f"CUDAHOOK_MAX_STATE={oci_state.MAX_STATE}" in text
+    assert f"CUDAHOOK_MAX_CONFIG={oci_bundle.MAX_CONFIG}" in text
 
 
 def test_installed_hooks_carry_the_library_inline(tmp_path: Path) -> None:
@@ -64,7 +64,7 @@ def python_says(bundle: Path) -> bool | None:
     """True: the OCI hook goes on with this container (a GPU container, or
     one with cudahook's annotations); False: it leaves; None: it refuses."""
     try:
-        info = oci.read_bundle(str(bundle))
+        info = oci_bundle.read_bundle(str(bundle))
     except CudahookError:
         return None
     return info.wants_gpu or bool(ann.ours(info.annotations))
@@ -108,7 +108,7 @@ def test_config_that_is_no_plain_file_goes_to_python(tmp_path: Path, kind: str) 
         p.symlink_to(tmp_path / "plain.json")
     elif kind == "huge":
         with open(p, "wb") as f:
-            f.truncate(oci.MAX_CONFIG + 1)
+            f.truncate(oci_bundle.MAX_CONFIG + 1)
     assert shell_says([b]) == [True]
 
 

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from cudahook.admin import hookfiles
 from cudahook.core import manifest
-from cudahook.hooks import oci
+from cudahook.hooks import oci_bundle, oci_state
 from cudahook.hooks.criu_env import PID_MAX_LIMIT
 from cudahook.platform.host import Host
 from cudahook.vmm import coordinator as vmm
@@ -352,7 +352,7 @@ def oci_stdin(case: dict[str, Any], bundle: Path, pid: int, dead: int) -> bytes:
     fields = {k: subst.get(v, v) if isinstance(v, str) else v for k, v in case["fields"].items()}
     data = json.dumps(fields, indent=case["indent"]).encode()
     if kind == "big":
-        data = data[:-1] + b', "pad": "' + b"x" * (oci.MAX_STATE - len(data) + 2) + b'"}'
+        data = data[:-1] + b', "pad": "' + b"x" * (oci_state.MAX_STATE - len(data) + 2) + b'"}'
     return data
 
 
@@ -362,7 +362,7 @@ def lay_oci(root: Path, case: dict[str, Any], pid: int) -> Path:
     kind, content = case["config"]
     content = content.replace(b'"CTL"', json.dumps(str(root / "ctl")).encode())
     if kind != "none":
-        lay(bundle / "config.json", kind, content, cap=oci.MAX_CONFIG)
+        lay(bundle / "config.json", kind, content, cap=oci_bundle.MAX_CONFIG)
     lay_damage(root, case["damage"], pid)
     return bundle
 

@@ -20,7 +20,7 @@ import pytest
 from cudahook.admin import hookfiles
 from cudahook.core import manifest
 from cudahook.core.manifest import ManifestError
-from cudahook.hooks import criu_env, oci
+from cudahook.hooks import criu_env, oci_bundle, oci_state
 from cudahook.platform import marks, safeio
 from cudahook.platform.errors import StateError, UsageError, one_line
 from cudahook.platform.store import Store
@@ -270,7 +270,7 @@ def test_config_json_that_is_no_plain_file(root: Path, hooks: dict[str, Path], t
     path = b / "config.json"
     if kind == "huge":
         with open(path, "wb") as f:
-            f.truncate(oci.MAX_CONFIG + 1)
+            f.truncate(oci_bundle.MAX_CONFIG + 1)
     else:
         hostile(kind, path, tmp_path)
     t0 = time.monotonic()
@@ -306,7 +306,7 @@ def test_a_megabyte_of_multi_line_state_is_quick(root: Path, hooks: dict[str, Pa
     b = bundle(tmp_path, "plain", {"process": {"env": []}})
     notes = {f"note{i}": "x" * 40 for i in range(17_000)}
     data = json.dumps({"id": "c", "bundle": str(b), "annotations": notes}, indent=1).encode()
-    assert 900_000 < len(data) < oci.MAX_STATE
+    assert 900_000 < len(data) < oci_state.MAX_STATE
     t0 = time.monotonic()
     r = run_hook(hooks, root, "createRuntime", data)
     assert (r.returncode, r.stderr) == (0, b"")
@@ -324,7 +324,7 @@ def test_escaped_marker_is_no_way_around_python(root: Path, hooks: dict[str, Pat
                                                 sleeper: subprocess.Popen[bytes]) -> None:
     raw = b'{"process": {"env": ["\\u004eVIDIA_VISIBLE_DEVICES=all"]}}'
     b = bundle(tmp_path, "b", raw=raw)
-    assert oci.read_bundle(str(b)).visible == ["all"]
+    assert oci_bundle.read_bundle(str(b)).visible == ["all"]
     gpu_recorded(root, hooks, state("c", b, sleeper.pid))
     raw = b'{"linux": {"devices": [{"path": "\\/dev\\/nvidia0"}]}}'
     b = bundle(tmp_path, "d", raw=raw)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cudahook.core.gpus import Gpu
-from cudahook.hooks import oci
+from cudahook.hooks import gpu_request, oci_bundle, oci_state
 from cudahook.platform.errors import UsageError
 
 U0 = "GPU-11111111-2222-3333-4444-555555555555"
@@ -50,52 +49,19 @@ def one_line(exc: pytest.ExceptionInfo[UsageError]) -> str:
 ])
 def test_read_state_rejects_with_one_line(text: str, expect: str) -> None:
     with pytest.raises(UsageError) as exc:
-        oci.read_state(text)
+        oci_state.read_state(text)
     assert expect in one_line(exc)
 
 
 def test_read_state_too_large() -> None:
-    text = json.dumps({"id": "c", "bundle": "/b", "pad": "x" * oci.MAX_STATE})
+    text = json.dumps({"id": "c", "bundle": "/b", "pad": "x" * oci_state.MAX_STATE})
     with pytest.raises(UsageError) as exc:
-        oci.read_state(text)
+        oci_state.read_state(text)
     assert "too large" in one_line(exc)
 
 
 def test_read_state_returns_the_object() -> None:
-    assert oci.read_state(json.dumps(RUNC_STATE)) == RUNC_STATE
-
-
-# -- validate_state (vendored runtime-spec schema) ---------------------------------
-
-
-def test_valid_runc_state_passes() -> None:
-    oci.validate_state(dict(RUNC_STATE))
-    minimal = {k: RUNC_STATE[k] for k in ("ociVersion", "id", "status", "bundle")}
-    oci.validate_state(minimal)
-    oci.validate_state({**minimal, "annotations": None, "pid": 0})
-
-
-@pytest.mark.parametrize("change, field, words", [
-    ({"ociVersion": None}, "(top level)", "ociVersion"),
-    ({"status": "paused"}, "status", "paused"),
-    ({"pid": -1}, "pid", "minimum"),
-    ({"pid": "42"}, "pid", "integer"),
-    ({"annotations": {"a": 1}}, "annotations", ""),
-    ({"annotations": ["a=b"]}, "annotations", ""),
-    ({"id": None}, "(top level)", "id"),
-])
-def test_validate_state_names_the_field(change: dict[str, Any], field: str, words: str) -> None:
-    state = dict(RUNC_STATE)
-    for k, v in change.items():
-        if v is None:
-            del state[k]
-        else:
-            state[k] = v
-    with pytest.raises(UsageError) as exc:
-        oci.validate_state(state)
-    text = one_line(exc)
-    assert text.startswith(f"container state: {field}: "), text
-    assert words in text
+    assert oci_state.read_state(json.dumps(RUNC_STATE)) == RUNC_STATE
 
 
 # -- read_bundle / visible_devices -------------------------------------------------
@@ -123,7 +89,7 @@ def env_cfg(*env: str, **extra: Any) -> dict[str, Any]:
     ("", []),
 ])
 def test_nvidia_visible_devices(tmp_path: Path, value: str, visible: list[str]) -> None:
-    info = oci.read_bundle(bundle(tmp_path, env_cfg(f"NVIDIA_VISIBLE_DEVICES={value}")))
+    info = oci_bundle.read_bundle(bundle(tmp_path, env_cfg(f"NVIDIA_VISIBLE_DEVICES={value}")))
     assert info.visible == visible
     assert info.wants_gpu is bool(visible)
 
@@ -131,7 +97,7 @@ def test_nvidia_visible_devices(tmp_path: Path, value: str, visible: list[str]) 
 def test_visible_devices_env_wins_over_device_entries(tmp_path: Path) -> None:
     cfg = env_cfg("NVIDIA_VISIBLE_DEVICES=void",
                   linux={"devices": [{"path": "/dev/nvidia0", "type": "c"}]})
-    assert oci.read_bundle(bundle(tmp_path, cfg)).visible == []
+    assert oci_bundle.read_bundle(bundle(tmp_path, cfg)).visible == []
 
 
 @pytest.mark.parametrize("value, visible", [
@@ -143,39 +109,36 @@ def test_visible_devices_env_wins_over_device_entries(tmp_path: Path) -> None:
 ])
 def test_cdi_annotation(tmp_path: Path, value: str, visible: list[str]) -> None:
     cfg = env_cfg(annotations={"cdi.k8s.io/nvidia-device-plugin_x": value})
-    assert oci.read_bundle(bundle(tmp_path, cfg)).visible == visible
+    assert oci_bundle.read_bundle(bundle(tmp_path, cfg)).visible == visible
 
 
 def test_cdi_needs_the_cdi_prefix(tmp_path: Path) -> None:
     cfg = env_cfg(annotations={"example.com/x": "nvidia.com/gpu=0"})
-    assert oci.read_bundle(bundle(tmp_path, cfg)).visible == []
+    assert oci_bundle.read_bundle(bundle(tmp_path, cfg)).visible == []
 
 
 def test_linux_device_entries(tmp_path: Path) -> None:
     devices = [{"path": p, "type": "c"} for p in
                ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia3", "/dev/nvidia1", "/dev/null")]
-    info = oci.read_bundle(bundle(tmp_path, env_cfg(linux={"devices": [*devices, "junk", None]})))
+    info = oci_bundle.read_bundle(bundle(tmp_path, env_cfg(linux={"devices": [*devices, "junk", None]})))
     assert info.visible == ["3", "1"]
     assert info.wants_gpu
 
 
 def test_plain_container_wants_no_gpu(tmp_path: Path) -> None:
-    info = oci.read_bundle(bundle(tmp_path, env_cfg(linux={"devices": [{"path": "/dev/fuse"}]})))
+    info = oci_bundle.read_bundle(bundle(tmp_path, env_cfg(linux={"devices": [{"path": "/dev/fuse"}]})))
     assert info.visible == [] and not info.wants_gpu
     assert info.snapshot_control is None
 
 
-def test_snapshot_control_source_and_root(tmp_path: Path) -> None:
+def test_snapshot_control_source_and_annotations(tmp_path: Path) -> None:
     mounts = [{"destination": "/proc", "source": "proc", "type": "proc"},
               {"destination": "/snapshot-control", "source": "/var/lib/x/ctl",
                "type": "bind", "options": ["rbind"]}]
     b = bundle(tmp_path, env_cfg(mounts=mounts, annotations={"a": "b", "n": 3}))
-    info = oci.read_bundle(b)
+    info = oci_bundle.read_bundle(b)
     assert info.snapshot_control == "/var/lib/x/ctl"
-    assert info.root == os.path.join(b, "rootfs")
     assert info.annotations == {"a": "b", "n": "3"}
-    info = oci.read_bundle(bundle(tmp_path, env_cfg(root={"path": "/abs/root"}), "c"))
-    assert info.root == "/abs/root"
 
 
 @pytest.mark.parametrize("cfg, words", [
@@ -183,25 +146,24 @@ def test_snapshot_control_source_and_root(tmp_path: Path) -> None:
     ("[]", "not a JSON object"),
     ({"process": "x"}, "malformed"),
     ({"linux": ["x"]}, "malformed"),
-    ({"root": {"path": 5}}, "malformed"),
     ({"mounts": 5}, "malformed"),
     ({"mounts": [{"destination": "/snapshot-control", "source": 7}]}, "snapshot-control"),
 ])
 def test_bad_config_json_is_a_usage_error(tmp_path: Path, cfg: Any, words: str) -> None:
     with pytest.raises(UsageError) as exc:
-        oci.read_bundle(bundle(tmp_path, cfg))
+        oci_bundle.read_bundle(bundle(tmp_path, cfg))
     text = one_line(exc)
     assert "config.json" in text and words in text
 
 
 def test_missing_or_unreadable_config_json(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as exc:
-        oci.read_bundle(str(tmp_path / "nope"))
+        oci_bundle.read_bundle(str(tmp_path / "nope"))
     assert "no such file" in one_line(exc)
     d = tmp_path / "dir"
     (d / "config.json").mkdir(parents=True)  # a directory where the file should be
     with pytest.raises(UsageError) as exc:
-        oci.read_bundle(str(d))
+        oci_bundle.read_bundle(str(d))
     assert "unreadable" in one_line(exc)
 
 
@@ -212,15 +174,15 @@ GPUS = [Gpu(0, U0, "H100", 81559, "580.65.06", True), Gpu(1, U1, "H100", 81559, 
 
 
 def test_resolve_uuids() -> None:
-    assert oci.resolve_uuids(["all"], GPUS) == [U0, U1]
-    assert oci.resolve_uuids(["1", "0"], GPUS) == [U1, U0]
-    assert oci.resolve_uuids([U1, "0"], GPUS) == [U1, U0]
-    assert oci.resolve_uuids(["MIG-x"], GPUS) == ["MIG-x"]
-    assert oci.resolve_uuids([], GPUS) == []
+    assert gpu_request.resolve_uuids(["all"], GPUS) == [U0, U1]
+    assert gpu_request.resolve_uuids(["1", "0"], GPUS) == [U1, U0]
+    assert gpu_request.resolve_uuids([U1, "0"], GPUS) == [U1, U0]
+    assert gpu_request.resolve_uuids(["MIG-x"], GPUS) == ["MIG-x"]
+    assert gpu_request.resolve_uuids([], GPUS) == []
 
 
 @pytest.mark.parametrize("visible", [["2"], ["0", "7"], ["gpu0"]])
 def test_resolve_unknown_index_is_an_error(visible: list[str]) -> None:
     with pytest.raises(UsageError) as exc:
-        oci.resolve_uuids(visible, GPUS)
+        gpu_request.resolve_uuids(visible, GPUS)
     assert "does not have" in one_line(exc)

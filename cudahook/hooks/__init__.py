@@ -2,8 +2,9 @@
 it hands over (OCI state on stdin, CRIU's environment, runc's argv) into
 calls on the core.
 
-- `oci_hook`: createRuntime/prestart/poststop; `oci` and `annotations` parse
-  its input.
+- `oci_hook`: createRuntime/prestart/poststop. Its input: the state on
+  stdin (`oci_state`), the bundle's config.json (`oci_bundle`), the GPUs it
+  asks for (`gpu_request`) and cudahook's annotations (`annotations`).
 - `criu_action`: the CRIU action script: the whole timeline of a checkpoint
   and a restore, in order. `criu_env` parses CRIU's environment, `criu_run`
   keeps one CRIU run's progress (its actions run twice), `containers` finds

@@ -56,7 +56,7 @@ def gpus_and_models(ctx: Context, visible: list[str] | None
     """The UUIDs of the GPUs `visible` names, and every node GPU's (model, MiB)."""
     from cudahook.core.gpus import query_gpus
 
-    from .oci import resolve_uuids
+    from .gpu_request import resolve_uuids
 
     gpus = query_gpus(ctx.host, ctx.settings)
     return resolve_uuids(visible or ["all"], gpus), {g.uuid: (g.name, g.memory_mib) for g in gpus}

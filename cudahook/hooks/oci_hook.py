@@ -16,7 +16,7 @@ from cudahook.platform.errors import CudahookError, Exit, StateError, UsageError
 from cudahook.platform.marks import mark
 
 from . import annotations as ann
-from . import oci
+from . import oci_bundle, oci_state
 from .criu_env import PID_MAX_LIMIT
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -34,7 +34,7 @@ REFUSED_STAGES = ("createContainer", "startContainer")
 def main(argv: list[str]) -> int:
     try:
         stage = _stage(argv)
-        state = oci.read_state(_read_stdin())
+        state = oci_state.read_state(_read_stdin())
         if stage in CREATE_STAGES:
             return on_create(stage, state)
         if stage == "poststop":
@@ -56,7 +56,7 @@ def _stage(argv: list[str]) -> str:
 def _read_stdin() -> str:
     """At most MAX_STATE + 1 bytes of stdin (read_state refuses more), as
     UTF-8 text (RFC 8259)."""
-    data = sys.stdin.buffer.read(oci.MAX_STATE + 1)
+    data = sys.stdin.buffer.read(oci_state.MAX_STATE + 1)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -74,7 +74,7 @@ def _pid(state: dict) -> int | None:  # type: ignore[type-arg]
 
 
 def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
-    info = oci.read_bundle(state["bundle"])
+    info = oci_bundle.read_bundle(state["bundle"])
     opts = ann.parse(info.annotations) if ann.ours(info.annotations) else ann.Options()
     if opts.enabled is False or not (info.wants_gpu or opts.enabled):
         return Exit.OK

@@ -52,7 +52,8 @@ def bundle_of(args: list[str]) -> str:
 def add_hooks(bundle: str, hook: str) -> bool:
     """Add the hooks to config.json if this is a GPU container; True if changed."""
     from .annotations import PREFIX
-    from .oci import read_config, visible_devices
+    from .gpu_request import visible_devices
+    from .oci_bundle import read_config
 
     path = os.path.join(bundle, "config.json")
     cfg = read_config(bundle)
