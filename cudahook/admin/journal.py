@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cudahook.platform import paths
+from cudahook.platform.atomic import write_atomic
 
 from . import registrations
 
@@ -149,9 +150,7 @@ class Journal:
         data = {"version": 2, "prefix": str(self.prefix), "entries": data["entries"],
                 "owned": data["owned"]}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(data, indent=1).encode(), 0o600)
 
     def diff(self, change: Change) -> str:
         old = _read(change.path)
@@ -191,11 +190,8 @@ class Journal:
                     ch.path.unlink()
                 ch.path.symlink_to(ch.symlink)
             elif ch.after is not None:
-                tmp = ch.path.with_name(f".{ch.path.name}.cudahook-tmp")
-                tmp.write_bytes(ch.after)
                 mode = ch.path.stat().st_mode & 0o7777 if ch.path.exists() else ch.mode
-                os.chmod(tmp, mode)
-                os.replace(tmp, ch.path)
+                write_atomic(ch.path, ch.after, mode)
             # Keep the first "before" of a path: that is what uninstall restores.
             if not any(e["path"] == str(ch.path) for e in entries):
                 entries.append({
@@ -277,10 +273,7 @@ def _put(path: Path, data: bytes | None, mode: int | None) -> None:
     """Make `path` hold `data` (a "symlink:" target, bytes, or None: absent)."""
     if data is not None and not data.startswith(b"symlink:") and path.is_file() \
             and not path.is_symlink():
-        tmp = path.with_name(f".{path.name}.cudahook-tmp")
-        tmp.write_bytes(data)
-        os.chmod(tmp, mode if mode is not None else path.stat().st_mode & 0o7777)
-        os.replace(tmp, path)
+        write_atomic(path, data, mode if mode is not None else path.stat().st_mode & 0o7777)
         return
     if path.is_symlink() or path.exists():
         path.unlink()
@@ -289,6 +282,4 @@ def _put(path: Path, data: bytes | None, mode: int | None) -> None:
     if data.startswith(b"symlink:"):
         path.symlink_to(data[len(b"symlink:"):].decode())
     else:
-        path.write_bytes(data)
-        if mode is not None:
-            os.chmod(path, mode)
+        write_atomic(path, data, mode if mode is not None else 0o644)
