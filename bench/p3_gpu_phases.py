@@ -100,7 +100,6 @@ def step_spans(timeline) -> dict[str, dict[str, float]]:  # type: ignore[no-unty
 
 def run(args) -> Result:  # type: ignore[no-untyped-def]
     from cudahook.core.backends.cli import CudaCheckpointCLI, parse_help
-
     from cudahook.core.engine import Engine
     from cudahook.sim.lab import SimLab
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from cudahook.core.backends.cli import CudaCheckpointCLI
 
 from cudahook.core.backends import CHECKPOINTED, RUNNING
+from cudahook.core.backends.cli import CudaCheckpointCLI
 from cudahook.core.discovery import discover
 from cudahook.core.engine import PhaseResult
 from cudahook.platform.errors import EnvironmentProblem, PhaseError
