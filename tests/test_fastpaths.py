@@ -331,6 +331,22 @@ def test_may_hold_gpu_defers_to_a_configured_device_pattern(installed: dict[str,
     assert fake.pre_dump(installed["cudahook-criu-action"], config) == 0
     config.write_text("device_pattern: '^/dev/dri/.*'\n")
     assert fake.pre_dump(installed["cudahook-criu-action"], config) == 127
+    config.write_text("  device_pattern: x\n")  # a key, whatever the indent
+    assert fake.pre_dump(installed["cudahook-criu-action"], config) == 127
+    config.write_text("x: 'a\\u0064evice_pattern'\n")  # an escape could spell anything
+    assert fake.pre_dump(installed["cudahook-criu-action"], config) == 127
+    config.write_text("x\n" * 500)  # longer than the shell reads
+    assert fake.pre_dump(installed["cudahook-criu-action"], config) == 127
+
+
+def test_the_shipped_configuration_keeps_pre_dump_in_the_shell(
+        installed: dict[str, Path], fake: FakeNode) -> None:
+    """The default configuration names device_pattern only in a comment: a
+    container without NVIDIA device files costs no Python start at pre-dump."""
+    from cudahook.platform.config import config_dir
+
+    fake.process(fake.init)
+    assert fake.pre_dump(installed["cudahook-criu-action"], config_dir() / "config.yaml") == 0
 
 
 def test_pre_dump_odd_init_pid_goes_to_python(installed: dict[str, Path], fake: FakeNode) -> None:
