@@ -87,7 +87,7 @@ def test_delete(tmp_path: Path) -> None:
     s.delete("c")
     s.delete("c")  # twice: nothing there, no error
     assert s.load("c") is None and s.load("d") == {"id": "d", "pid": 6}
-    # The lock file goes with the record (see Store.delete and _lock).
+    # The lock file goes with the record (see Store.delete and lock_file).
     assert sorted(os.listdir(tmp_path / "containers")) == ["d.json", "d.lock"]
 
 
@@ -372,7 +372,7 @@ def test_history_is_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 UNLINKER = """
 import sys
 from cudahook.platform import store
-lock = store._lock
+lock = store.lock_file
 
 def held(path, **kw):  # Store.delete's lock, held until the test says go
     fd = lock(path, **kw)
@@ -380,7 +380,7 @@ def held(path, **kw):  # Store.delete's lock, held until the test says go
     sys.stdin.readline()
     return fd
 
-store._lock = held
+store.lock_file = held
 store.Store(sys.argv[1]).delete("c")  # unlinks the lock file while holding it
 print("deleted", flush=True)
 """

@@ -13,21 +13,24 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from .privdir import ensure_private_dir
-from .store import check_id
+from .store import LockTimeout, check_id, lock_file, names_file
 
 
 class Busy(Exception):
     """Another operation held the container's lock past the wait."""
 
 
-def _open(state_dir: str, container_id: str) -> int:
+def _path(state_dir: str | os.PathLike[str], container_id: str) -> Path:
     d = ensure_private_dir(ensure_private_dir(Path(state_dir)) / "busy")
-    return os.open(d / f"{check_id(container_id)}.lock",
+    return d / f"{check_id(container_id)}.lock"
+
+
+def _open(state_dir: str, container_id: str) -> int:
+    return os.open(_path(state_dir, container_id),
                    os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
@@ -36,35 +39,24 @@ def hold(state_dir: str, container_id: str | None, wait_s: float, *,
          required: bool = True) -> Iterator[None]:
     """Hold the container's lock exclusively; Busy after wait_s. Not
     `required`: go on without it instead (after the wait, or when the lock
-    file cannot be had), for a restore that matters more than the lock."""
-    fd = -1
+    file cannot be had), for a restore that matters more than the lock.
+    The waiting, and starting over on a file removed meanwhile (see
+    remove), are the state store's lock_file."""
+    fd = None
+    if container_id:
+        try:
+            fd = lock_file(_path(state_dir, container_id), timeout_s=wait_s)
+        except LockTimeout:
+            if required:
+                raise Busy(f"another cudahook operation on container {container_id} "
+                           f"still runs after {wait_s:g}s") from None
+        except Exception:
+            if required:
+                raise
     try:
-        if container_id:
-            try:
-                fd = _open(state_dir, container_id)
-            except Exception:
-                if required:
-                    raise
-            deadline = time.monotonic() + wait_s
-            while fd >= 0:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    if _still_named(fd, state_dir, container_id):
-                        break
-                    # Removed (see remove) while we waited: lock the new one.
-                    os.close(fd)
-                    fd = _open(state_dir, container_id)
-                except BlockingIOError:
-                    if time.monotonic() < deadline:
-                        time.sleep(0.02)
-                    elif required:
-                        raise Busy(f"another cudahook operation on container {container_id} "
-                                   f"still runs after {wait_s:g}s") from None
-                    else:
-                        break
         yield
     finally:
-        if fd >= 0:
+        if fd is not None:
             os.close(fd)
 
 
@@ -106,9 +98,4 @@ def remove(state_dir: str | os.PathLike[str], container_id: str) -> bool:
 
 
 def _still_named(fd: int, state_dir: str | os.PathLike[str], container_id: str) -> bool:
-    try:
-        st = os.stat(Path(state_dir) / "busy" / f"{container_id}.lock", follow_symlinks=False)
-    except OSError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+    return names_file(Path(state_dir) / "busy" / f"{container_id}.lock", fd)

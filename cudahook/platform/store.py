@@ -93,6 +93,10 @@ def _remove(path: Path) -> None:
 LOCK_WAIT_S = 10.0
 
 
+class LockTimeout(StateError):
+    """Another process held a lock file past the wait."""
+
+
 def _flock(fd: int, path: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     delay = 0.001
@@ -102,7 +106,7 @@ def _flock(fd: int, path: Path, timeout_s: float) -> None:
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise StateError(f"{path}: held by another cudahook process for "
+                raise LockTimeout(f"{path}: held by another cudahook process for "
                                  f"{timeout_s:g}s; giving up") from None
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
@@ -129,7 +133,7 @@ class Store:
         """Hold the container's lock; StateError after `timeout_s` of waiting
         (a hook that waits forever holds up the runtime, or CRIU)."""
         path = self.lock_path(container_id)
-        fd = _lock(path, timeout_s=timeout_s)
+        fd = lock_file(path, timeout_s=timeout_s)
         assert fd is not None
         try:
             yield
@@ -155,12 +159,12 @@ class Store:
         """Forget the record and its lock file (the last results stay, for
         `cudahook status`). The lock file goes while held: a hook that was
         waiting on it finds it unlinked once it gets it, and starts over on
-        a new one (see _lock), so two writers are never in at once."""
+        a new one (see lock_file), so two writers are never in at once."""
         self._delete(container_id, wait=True)
 
     def _delete(self, container_id: str, *, wait: bool) -> bool:
         path = self.lock_path(container_id)
-        fd = _lock(path, wait=wait)
+        fd = lock_file(path, wait=wait)
         if fd is None:
             return False
         try:
@@ -309,9 +313,10 @@ def _older(path: Path, cutoff: float) -> bool:
         return False
 
 
-def _lock(path: Path, *, wait: bool = True, timeout_s: float = LOCK_WAIT_S) -> int | None:
+def lock_file(path: Path, *, wait: bool = True, timeout_s: float = LOCK_WAIT_S) -> int | None:
     """An fd holding the lock file `path`, exclusively; StateError after
-    `timeout_s` of waiting. Without `wait`, None at once when it is held.
+    `timeout_s` of waiting (LockTimeout). Without `wait`, None at once when
+    it is held.
 
     The file must be a regular file reached without a symlink. It can be
     unlinked by its holder (Store.delete): a waiter that then gets the lock
@@ -337,13 +342,21 @@ def _lock(path: Path, *, wait: bool = True, timeout_s: float = LOCK_WAIT_S) -> i
                 except BlockingIOError:
                     os.close(fd)
                     return None
-            try:
-                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
+            same = names_file(path, fd)
         except BaseException:
             os.close(fd)
             raise
         if same:
             return fd
         os.close(fd)
+
+
+def names_file(path: Path, fd: int) -> bool:
+    """Does `path` (not followed) still name the file `fd` has open? A lock
+    file unlinked by its holder while another process waited on it does not."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
