@@ -36,7 +36,6 @@ from cudahook.platform.errors import (
     UsageError,
     report,
 )
-from cudahook.platform.host import Host
 from cudahook.platform.marks import mark, prune_restore_marks
 from cudahook.vmm import coordinator as vmm
 
@@ -44,7 +43,7 @@ from . import criu_env, guardian
 from .containers import container_for, gpus_and_models, kill_container, restored_pids, visible_gpus
 from .context import Context
 from .criu_env import CriuCall
-from .criu_run import CriuRun
+from .criu_run import HANDLED, CriuRun
 from .restore_gate import plan_restore
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-HANDLED = ("pre-dump", "post-restore", "post-resume")
 
 
 def main() -> int:
@@ -114,7 +112,7 @@ def housekeeping(ctx: Context) -> None:
 
 
 def pre_dump(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
-    init_pid = _need_init(call)
+    init_pid = _need_init(ctx, call)
     # Hazard: containerd and docker pause the container before `runc
     # checkpoint`. A frozen process's CUDA restore thread cannot run, and
     # cuda-checkpoint then hangs. Thaw for the CUDA phase; undo: freeze it
@@ -377,7 +375,7 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
             "the same processes: remove it to restore this checkpoint")
     # 2. The restore gate: same driver branch, the GPUs present, a device map
     #    this driver can apply. A refusal here is clean.
-    record, ctx, opts = container_for(ctx, _need_init(call))
+    record, ctx, opts = container_for(ctx, _need_init(ctx, call))
     mapping = plan_restore(ctx, record, opts, data)
     criu_run["device_map"] = mapping
     # 3. Hazard: by post-resume CRIU has closed the image directory
@@ -425,7 +423,7 @@ def post_resume(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         data = manifest.read(call.image_dir) if call.image_dir else None
     if data is None:
         return Exit.OK
-    init_pid = _need_init(call)
+    init_pid = _need_init(ctx, call)
     record, ctx, opts = container_for(ctx, init_pid)
     cid = (record or {}).get("id") or data.get("container_id")
     from cudahook.platform import busy
@@ -505,11 +503,11 @@ def _refuse(ctx: Context, cid: str | None, init_pid: int, cuda_processes: int, c
     return code
 
 
-def _need_init(call: CriuCall) -> int:
+def _need_init(ctx: Context, call: CriuCall) -> int:
     if call.init_pid is None:
         raise UsageError(f"{call.action}: CRTOOLS_INIT_PID is not set")
     try:
-        parent = Host().ppid(call.init_pid)
+        parent = ctx.host.ppid(call.init_pid)
     except Exception:
         raise UsageError(f"{call.action}: CRTOOLS_INIT_PID {call.init_pid}: "
                          "no such process") from None

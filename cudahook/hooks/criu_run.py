@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
     from cudahook.platform.host import Host
 
+# The actions the action script handles, and whose outcome is kept.
+HANDLED = ("pre-dump", "post-restore", "post-resume")
+
 
 class CriuRun:
     def __init__(self, store: Store, host: Host, criu_pid: int):
@@ -78,7 +81,3 @@ def _valid(data: Any) -> dict[str, Any]:
     if not isinstance(data.get("vmm_dir"), (str, type(None))):
         data.pop("vmm_dir")
     return data
-
-
-# The actions whose outcome is kept (the action script's own list).
-HANDLED = ("pre-dump", "post-restore", "post-resume")
