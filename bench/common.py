@@ -82,6 +82,29 @@ def timed(fn: Callable[[], Any]) -> float:
 _DEVNULL = os.devnull
 
 
+def timed_phase(settings: Any, phase: str, pids: Sequence[int]) -> tuple[float, Any]:
+    """One engine phase ("checkpoint" or "restore") over `pids` through a
+    fresh backend, as one hook run makes it: (seconds, the backend, closed)."""
+    from cudahook.core.backends import make_backend
+    from cudahook.core.engine import Engine
+    from cudahook.platform.host import Host
+
+    host = Host()
+    backend = make_backend(settings, host)
+    engine = Engine(backend, settings, host)
+    try:
+        t0 = time.perf_counter()
+        result = (engine.checkpoint if phase == "checkpoint" else engine.restore)(pids)
+        dt = time.perf_counter() - t0
+        if not result.ok:
+            raise RuntimeError(f"{settings.backend} {phase}: {result.errors}")
+    finally:
+        close = getattr(backend, "close", None)
+        if close:
+            close()
+    return dt, backend
+
+
 def spawn_wait(argv: Sequence[str], env: dict[str, str] | None = None,
                stdin_data: bytes | None = None) -> tuple[float, int]:
     """(seconds, exit status) of one fork+exec+wait, stdio on /dev/null.

@@ -16,14 +16,22 @@ Target: driver-api / cli <= 0.35 for each phase.
 from __future__ import annotations
 
 import sys
-import time
 
 if __package__ in (None, ""):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Result, arg_parser, kill_group, log, reps_of, run_main, tmpdir
+from bench.common import (
+    Result,
+    arg_parser,
+    kill_group,
+    log,
+    reps_of,
+    run_main,
+    timed_phase,
+    tmpdir,
+)
 
 TITLE = "driver-API backend vs CLI backend: checkpoint and restore phases at N=8"
 TARGET = 0.35
@@ -31,9 +39,6 @@ BACKENDS = ("cli", "driver-api")
 
 
 def run(args) -> Result:  # type: ignore[no-untyped-def]
-    from cudahook.core.backends import make_backend
-    from cudahook.core.engine import Engine
-    from cudahook.platform.host import Host
     from cudahook.sim.lab import SimLab
 
     reps = reps_of(args)
@@ -59,21 +64,10 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                     settings = lab.settings(backend=kind, call_timeout_s=120.0,
                                             lock_timeout_ms=10000)
                     for phase in ("checkpoint", "restore"):
-                        host = Host()
-                        backend = make_backend(settings, host)
-                        engine = Engine(backend, settings, host)
-                        t0 = time.perf_counter()
-                        result = (engine.checkpoint if phase == "checkpoint"
-                                  else engine.restore)(pids)
-                        dt = time.perf_counter() - t0
-                        if not result.ok:
-                            raise RuntimeError(f"{kind} {phase}: {result.errors}")
+                        dt, backend = timed_phase(settings, phase, pids)
                         samples.setdefault(f"{phase}-{kind}-N{n}", []).append(dt)
                         if hasattr(backend, "attaches"):
                             attaches[f"{phase}-{kind}"] = backend.attaches
-                        close = getattr(backend, "close", None)
-                        if close:
-                            close()
                 log(f"P6 rep {r + 1}/{reps}: " + ", ".join(
                     f"{k} {v[-1]:.2f}s" for k, v in samples.items()))
         finally:

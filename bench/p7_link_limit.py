@@ -15,23 +15,28 @@ The CLI backend's cycle is measured beside it, for reference.
 from __future__ import annotations
 
 import sys
-import time
 
 if __package__ in (None, ""):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Result, arg_parser, kill_group, log, reps_of, run_main, tmpdir
+from bench.common import (
+    Result,
+    arg_parser,
+    kill_group,
+    log,
+    reps_of,
+    run_main,
+    timed_phase,
+    tmpdir,
+)
 
 TITLE = "checkpoint+restore of 8 processes on 8 GPUs vs the physical limit"
 TARGET = 1.15
 
 
 def run(args) -> Result:  # type: ignore[no-untyped-def]
-    from cudahook.core.backends import make_backend
-    from cudahook.core.engine import Engine
-    from cudahook.platform.host import Host
     from cudahook.sim.lab import SimLab
 
     reps = reps_of(args)
@@ -60,20 +65,9 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                                             lock_timeout_ms=10000)
                     cycle = 0.0
                     for phase in ("checkpoint", "restore"):
-                        host = Host()
-                        backend = make_backend(settings, host)
-                        engine = Engine(backend, settings, host)
-                        t0 = time.perf_counter()
-                        result = (engine.checkpoint if phase == "checkpoint"
-                                  else engine.restore)(pids)
-                        dt = time.perf_counter() - t0
-                        if not result.ok:
-                            raise RuntimeError(f"{kind} {phase}: {result.errors}")
+                        dt, _ = timed_phase(settings, phase, pids)
                         samples.setdefault(f"{phase}-{kind}", []).append(dt)
                         cycle += dt
-                        close = getattr(backend, "close", None)
-                        if close:
-                            close()
                     samples.setdefault(f"cycle-{kind}", []).append(cycle)
                 log(f"P7 rep {r + 1}/{reps}: " + ", ".join(
                     f"{k} {v[-1]:.2f}s" for k, v in samples.items() if k.startswith("cycle")))
