@@ -15,18 +15,13 @@ from cudahook.admin.configure import ConfigureError, configure
 from cudahook.admin.journal import Change, Journal
 from cudahook.platform.config import config_dir
 
+from . import nodefiles
+
 HOOKS = Path("/opt/cudahook/libexec")
 
 
-def tree(root: Path) -> dict[str, bytes | str]:
-    out: dict[str, bytes | str] = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_symlink():
-            out[rel] = "->" + os.readlink(p)
-        elif p.is_file() and "var/lib/cudahook" not in rel:
-            out[rel] = p.read_bytes() + f"|{p.stat().st_mode & 0o7777:o}".encode()
-    return out
+def tree(root: Path) -> dict[str, str | bytes]:
+    return nodefiles.tree(root, skip="var/lib/cudahook")
 
 
 @pytest.fixture

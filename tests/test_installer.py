@@ -21,32 +21,20 @@ from cudahook.hooks.context import Context
 from cudahook.platform import paths
 from cudahook.platform.config import Settings
 
+from . import nodefiles
+
 REPO = Path(__file__).resolve().parents[1]
 RUNTIMES = ["--runtime", "docker", "--runtime", "containerd", "--runtime", "podman"]
 
 
 def tree(root: Path) -> dict[str, str | bytes]:
-    out: dict[str, str | bytes] = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_symlink():
-            out[rel] = "->" + os.readlink(p)
-        elif p.is_file():
-            out[rel] = p.read_bytes() + f"|{p.stat().st_mode & 0o7777:o}".encode()
-        elif not any(p.iterdir()):
-            out[rel] = "(empty dir)"
-    return out
+    return nodefiles.tree(root, empty_dirs=True)
 
 
 @pytest.fixture
 def node(tmp_path: Path) -> Path:
     """A node's files as another admin left them."""
-    root = tmp_path / "node"
-    (root / "etc/criu").mkdir(parents=True)
-    (root / "etc/criu/runc.conf").write_text("# site settings\ntcp-established\n")
-    os.chmod(root / "etc/criu/runc.conf", 0o640)
-    (root / "etc/docker").mkdir(parents=True)
-    (root / "etc/docker/daemon.json").write_text('{"log-level": "warn", "experimental": true}')
+    root = nodefiles.site_node(tmp_path / "node")
     (root / "usr/local/bin").mkdir(parents=True)
     (root / "opt").mkdir()
     return root

@@ -19,6 +19,7 @@ from cudahook.platform.config import config_dir
 from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import RuncBox
 
+from ..nodefiles import site_node, tree
 from .conftest import CRIU, needs_runc, private_node, real_node_env
 
 pytestmark = [*needs_runc, private_node]
@@ -79,17 +80,6 @@ def machine():  # type: ignore[no-untyped-def]
             Path(d).rmdir()
 
 
-def node_tree(root: Path) -> dict[str, str | bytes]:
-    out: dict[str, str | bytes] = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_symlink():
-            out[rel] = "->" + os.readlink(p)
-        elif p.is_file():
-            out[rel] = p.read_bytes() + f"|{stat.S_IMODE(p.stat().st_mode):o}".encode()
-    return out
-
-
 def at_root(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """install.sh (or an installed command) for a whole node kept in `root`."""
     env = {**os.environ, "CUDAHOOK_ROOT": str(root)}
@@ -99,25 +89,19 @@ def at_root(root: Path, *args: str, timeout: float = 300) -> subprocess.Complete
 @pytest.fixture
 def node_root(tmp_path: Path) -> Path:
     """Files other tools own, with content and modes of their own."""
-    root = tmp_path / "node"
-    (root / "etc/criu").mkdir(parents=True)
-    (root / "etc/criu/runc.conf").write_text("# site settings\ntcp-established\n")
-    os.chmod(root / "etc/criu/runc.conf", 0o640)
-    (root / "etc/docker").mkdir(parents=True)
-    (root / "etc/docker/daemon.json").write_text('{"log-level": "warn", "experimental": true}')
-    return root
+    return site_node(tmp_path / "node")
 
 
 def test_install_and_uninstall_restore_every_byte(node_root: Path) -> None:
     root = node_root
-    before = node_tree(root)
+    before = tree(root)
     prefix = root / "opt/cudahook"
     install = str(REPO / "install.sh")
 
     r = at_root(root, install, "--dry-run", "--runtime", "docker")
     assert r.returncode == 0, r.stderr
     assert "+action-script" in r.stdout and f"{root}/etc/docker/daemon.json" in r.stdout
-    assert node_tree(root) == before and not prefix.exists()  # a dry run changes nothing
+    assert tree(root) == before and not prefix.exists()  # a dry run changes nothing
 
     args = ["--runtime", "docker", "--runtime", "containerd", "--runtime", "podman",
             "--default-runtime"]
@@ -161,7 +145,7 @@ def test_install_and_uninstall_restore_every_byte(node_root: Path) -> None:
     assert not (root / "run/cudahook").exists() and not (root / "run/cudahook-marks").exists()
     (root / "run").rmdir()
     (root / "opt").rmdir()
-    assert node_tree(root) == before
+    assert tree(root) == before
     assert not prefix.exists()
 
 
@@ -178,7 +162,7 @@ chmod 755 "$2/bin/criu"
 def test_install_sh_provides_criu_repairs_itself_and_uninstalls_it(
         node_root: Path, tmp_path: Path) -> None:
     root = node_root
-    before = node_tree(root)
+    before = tree(root)
     prefix = root / "opt/cudahook"
     install = str(REPO / "install.sh")
     provision = tmp_path / "provision.sh"
@@ -191,11 +175,11 @@ def test_install_sh_provides_criu_repairs_itself_and_uninstalls_it(
     assert os.readlink(link) == f"{prefix}/criu/bin/criu"
 
     # Another prefix is refused in one line, before anything changes.
-    installed = node_tree(root)
+    installed = tree(root)
     r = at_root(root, install, "--prefix", str(root / "opt/other"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"already installed at {prefix}" in r.stderr and "--force" in r.stderr
-    assert node_tree(root) == installed
+    assert tree(root) == installed
 
     # Half removed by hand: running install.sh again repairs it.
     shutil.rmtree(prefix / "libexec")
@@ -215,7 +199,7 @@ def test_install_sh_provides_criu_repairs_itself_and_uninstalls_it(
     for d in ("opt", "usr/local/sbin", "usr/local", "usr"):
         with contextlib.suppress(OSError):
             (root / d).rmdir()
-    assert node_tree(root) == before
+    assert tree(root) == before
 
 
 def test_installed_wrapper_and_hooks_round_trip_and_demo(machine, tmp_path) -> None:  # type: ignore[no-untyped-def]
