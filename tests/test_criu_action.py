@@ -341,4 +341,4 @@ def test_post_restore_of_a_mig_instance_in_place(make_node, tmp_path: Path) -> N
                            "gpus": [gone], "processes": [{"nspid": 7, "pid": 7}]})
     r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                CRTOOLS_IMAGE_DIR=str(image))
-    assert r.returncode == 5 and f"not present on this node: {gone}" in r.stderr, r.stderr
+    assert r.returncode == 6 and f"not present on this node: {gone}" in r.stderr, r.stderr

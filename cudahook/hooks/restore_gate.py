@@ -2,11 +2,14 @@
 
 Asked at post-restore, the last moment a restore can still be refused
 cleanly (the tasks exist but have not run). Every reason is one clear line.
+A reason that no retry on this node can change (driver branch, GPU count,
+model or memory, a driver that cannot remap) is `NotRestorableHere`, exit 6:
+the orchestrator should start the workload cold or restore it elsewhere.
 """
 
 from __future__ import annotations
 
-from cudahook.platform.errors import EnvironmentProblem
+from cudahook.platform.errors import DeviceMapError, EnvironmentProblem, NotRestorableHere
 
 from . import annotations as ann
 from .containers import gpu_uuids, gpus_and_models, visible_gpus
@@ -31,7 +34,7 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
             "the checkpoint does not record the driver version it was taken with: "
             "cannot check that this node runs the same driver branch")
     if int(had) != have:
-        raise EnvironmentProblem(
+        raise NotRestorableHere(
             f"checkpoint was taken with driver {data['driver_version']}, this node runs "
             f"{feats.version}: restore needs the same driver branch")
     if not feats.actions and not feats.toggle:
@@ -58,14 +61,17 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         visible = visible_gpus(record)
         target = gpu_uuids(ctx, visible) if visible else source
         missing = [u for u in target if u not in node]
-        mapping = compute_device_map(source, target) if not missing else None
+        try:
+            mapping = compute_device_map(source, target) if not missing else None
+        except DeviceMapError as exc:
+            raise NotRestorableHere(str(exc)) from None
     if missing:
-        raise EnvironmentProblem(
+        raise NotRestorableHere(
             "GPU(s) not present on this node: " + ", ".join(missing)
             + ("" if record else " (the OCI hook did not see this container; "
                "register it or set cudahook.io/device-map)"))
     if mapping and not feats.device_map:
-        raise EnvironmentProblem(
+        raise NotRestorableHere(
             f"the restore moves GPUs ({', '.join(f'{a}={b}' for a, b in mapping.items())}) "
             f"but cuda-checkpoint {feats.version} has no --device-map (driver R580 or newer)")
     if mapping:
@@ -74,5 +80,8 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         models = {u: (str(m.get("name")),
                       m["memory_mib"] if type(m.get("memory_mib")) is int else None)
                   for u, m in recorded.items() if isinstance(m, dict)}
-        check_targets(mapping, models, now)
+        try:
+            check_targets(mapping, models, now)
+        except DeviceMapError as exc:
+            raise NotRestorableHere(str(exc)) from None
     return mapping

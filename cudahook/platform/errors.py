@@ -16,6 +16,10 @@ class Exit(IntEnum):
     CONFIG = 3  # invalid configuration; nothing was changed
     UNSAFE = 4  # the workload could not be brought back to a safe state: needs attention
     ENVIRONMENT = 5  # a required tool or driver feature is missing; nothing was changed
+    # This image can never be restored on this node (driver branch, GPU count,
+    # model or memory): an orchestrator should start the workload cold here
+    # or restore it elsewhere, not retry.
+    NOT_HERE = 6
 
 
 class CudahookError(Exception):
@@ -34,6 +38,12 @@ class ConfigError(CudahookError):
 
 class EnvironmentProblem(CudahookError):
     exit_code = Exit.ENVIRONMENT
+
+
+class NotRestorableHere(CudahookError):
+    """The image needs what this node does not have and cannot get by waiting."""
+
+    exit_code = Exit.NOT_HERE
 
 
 class StateError(CudahookError):
