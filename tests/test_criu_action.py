@@ -342,3 +342,95 @@ def test_post_restore_of_a_mig_instance_in_place(make_node, tmp_path: Path) -> N
     r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                CRTOOLS_IMAGE_DIR=str(image))
     assert r.returncode == 6 and f"not present on this node: {gone}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("driver", "left"), [(580, "checkpointed"), (580, "locked"),
+                                              (550, "checkpointed")])
+def test_pre_dump_refuses_a_process_it_did_not_lock_or_checkpoint(
+        make_node, tmp_path: Path, driver: int, left: str) -> None:  # type: ignore[no-untyped-def]
+    """A process already checkpointed holds no device file, but keeps its
+    CUDA restore thread: pre-dump sees it, and refuses (exit 4) before
+    anything is locked - dumped, it would be restored without its GPU state."""
+    node = make_node(driver=driver)
+    script = install(tmp_path, node)
+    image = tmp_path / "img"
+    image.mkdir()
+    init = node.spawn_tree(("a", {"mib": 1}), ("b", {"mib": 1}))
+    a = node.lab.wait_counter("a")["pid"]
+    b = node.lab.wait_counter("b")["pid"]
+    engine = node.engine()
+    if left == "locked":
+        engine.backend.lock(b, 1000)
+    else:
+        engine.checkpoint([b])
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 4 and r.stderr.count("\n") == 1, r.stderr
+    assert f"pid {b} is already {left}" in r.stderr and "nothing was locked" in r.stderr
+    assert os.listdir(image) == [] and events(node, "checkpoint") == []
+    node.lab.wait_counter("a", node.lab.status("a")["counter"] + 3)  # never locked
+    assert engine.read_state(b) == left  # nor moved
+    # Brought back first, the checkpoint takes both.
+    engine.restore([b])
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 0, r.stderr
+    data = manifest.read(image)
+    assert data is not None and sorted(p["pid"] for p in data["processes"]) == sorted([a, b])
+
+
+def test_pre_dump_waits_for_the_guardian_of_an_earlier_checkpoint(
+        node: Node, tmp_path: Path) -> None:
+    """A guardian still alive for the same container may be about to bring
+    processes back: a new checkpoint waits for it (without the busy lock,
+    which the guardian needs), and refuses after guardian_wait_s."""
+    from cudahook.hooks import guardian
+    from cudahook.platform.host import Host
+    from cudahook.platform.store import Store, write_json_atomic
+
+    config = tmp_path / "cudahook.yaml"
+    settings = dict(node.settings().__dict__)
+    config.write_text(yaml.safe_dump({**settings, "guardian_wait_s": 1}))
+    script = hookfiles.install(tmp_path / "hooks", python=sys.executable,
+                               config=str(config))["cudahook-criu-action"]
+    image = tmp_path / "img"
+    image.mkdir()
+    init = node.spawn_tree(("a", {"mib": 1}))
+    a = node.lab.wait_counter("a")["pid"]
+    Store(settings["state_dir"]).update("c1", pid=init.pid, pid_start=None)
+    earlier = subprocess.Popen(["sleep", "600"])  # stands for the earlier run's guardian
+    node.procs.append(earlier)
+    marker = guardian._marker(settings["state_dir"], "c1")
+    write_json_atomic(marker, {"pid": earlier.pid, "start": Host().start_time(earlier.pid),
+                               "criu_pid": 1})
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 5 and r.stderr.count("\n") == 1, r.stderr
+    assert f"guardian of an earlier checkpoint of container c1 (pid {earlier.pid})" in r.stderr
+    assert "nothing was locked" in r.stderr and os.listdir(image) == []
+    node.lab.wait_counter("a", node.lab.status("a")["counter"] + 3)
+
+    # Within the wait: the checkpoint goes ahead once that guardian is gone.
+    config.write_text(yaml.safe_dump({**settings, "guardian_wait_s": 120}))
+    env = {**SCRUBBED, "CRTOOLS_SCRIPT_ACTION": "pre-dump", "CRTOOLS_INIT_PID": str(init.pid),
+           "CRTOOLS_IMAGE_DIR": str(image)}
+    waiting = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                                "sys.exit(subprocess.run(sys.argv[1:]).returncode)", str(script)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        assert waiting.poll() is None  # still waiting, nothing touched
+        assert node.engine().read_state(a) == "running" and os.listdir(image) == []
+    finally:
+        earlier.kill()
+        earlier.wait()
+    _, err = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0, err
+    assert manifest.read(image) is not None
+    # It armed its own guardian, which brings the workload back once "CRIU"
+    # is gone, then removes its marker.
+    deadline = time.monotonic() + 30
+    while not events(node, "guardian") or marker.exists():
+        assert time.monotonic() < deadline, (events(node), marker.exists())
+        time.sleep(0.05)
+    assert "resumed" in events(node, "guardian")[-1]["outcome"]

@@ -137,11 +137,17 @@ def test_r550_discovery_by_restore_thread_name(make_node) -> None:  # type: igno
 
 
 def test_device_pattern_is_configurable(node) -> None:  # type: ignore[no-untyped-def]
-    init = node.spawn_tree(("c", {"mib": 1}))
-    node.lab.wait_counter("c")
+    """The pattern decides which open files make a candidate; a CUDA process
+    is one by its restore thread as well, whatever the pattern."""
+    init = node.spawn_tree(("c", {"mib": 1}), ("n", {"nvml_only": True}))
+    c = node.lab.wait_counter("c")["pid"]
+    n = node.lab.wait_counter("n")["pid"]
     engine = node.engine(device_pattern=r"^/dev/nvidia[0-9]+$")  # misses the lab's paths
     found = discover(engine.host, engine.backend, init.pid, engine.settings.device_regex)
-    assert found.candidates == [] and found.processes == []
+    assert found.candidates == [c] and found.pids == [c]
+    engine = node.engine()
+    found = discover(engine.host, engine.backend, init.pid, engine.settings.device_regex)
+    assert sorted(found.candidates) == sorted([c, n]) and found.pids == [c]
 
 
 def test_a_process_that_does_not_answer_is_an_error_not_skipped(node) -> None:  # type: ignore[no-untyped-def]

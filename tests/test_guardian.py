@@ -109,3 +109,59 @@ def test_wait_exit_tells_a_reused_pid_from_criu(monkeypatch: pytest.MonkeyPatch)
         p.kill()
         p.wait()
     assert guardian.wait_exit(p.pid, start, host, max_wait_s=5) is True
+
+
+def test_waits_for_the_action_script_as_well_as_criu(node: Node) -> None:
+    """A CRIU that was killed can leave its action script still locking: the
+    guardian acts only once both are gone."""
+    pids, frozen, engine = _checkpointed(node)
+    criu = subprocess.Popen(["true"])
+    criu_start = Host().start_time(criu.pid)
+    hook = subprocess.Popen(["sleep", "60"])
+    args = json.loads(_args(node, criu, pids))
+    args["criu_start"] = criu_start
+    args["hook"] = [hook.pid, Host().start_time(hook.pid)]
+    criu.wait()
+    rc: list[int] = []
+    t = threading.Thread(target=lambda: rc.append(guardian.main(json.dumps(args))))
+    t.start()
+    try:
+        time.sleep(1.5)
+        assert t.is_alive() and rc == []
+        assert {engine.read_state(p) for p in pids} == {"checkpointed"}
+    finally:
+        hook.kill()
+        hook.wait()
+    t.join(60)
+    assert rc == [0]
+    assert {engine.read_state(p) for p in pids} == {"running"}
+    _wait_intact(node, frozen)
+
+
+def test_restores_only_what_it_finds_locked_or_checkpointed(node: Node) -> None:
+    """Armed before the first lock, the guardian may find a process never
+    locked, or rolled back already: it leaves those alone."""
+    init = node.spawn_tree(("a", {"mib": 1}), ("b", {"mib": 1}), ("c", {"mib": 1}))
+    tags = ["a", "b", "c"]
+    for t in tags:
+        node.lab.wait_counter(t, 2)
+    engine = node.engine()
+    procs = discover(engine.host, engine.backend, init.pid, engine.settings.device_regex).processes
+    by_tag = {t: node.lab.status(t)["pid"] for t in tags}
+    engine.backend.lock(by_tag["b"], 1000)
+    engine.checkpoint([by_tag["c"]])
+    frozen = {t: node.lab.status(t)["counter"] for t in ("b", "c")}
+    criu = subprocess.Popen(["true"])
+    args = _args(node, criu, [p.pid for p in procs])
+    criu.wait()
+    assert guardian.main(args) == 0
+    g = _events(node)[-1]
+    assert "resumed" in g["outcome"] and sorted(g["pids"]) == sorted([by_tag["b"], by_tag["c"]])
+    assert {engine.read_state(p.pid) for p in procs} == {"running"}
+    _wait_intact(node, frozen)
+    # Nothing left to do: said so, nothing moved.
+    criu = subprocess.Popen(["true"])
+    args = _args(node, criu, [p.pid for p in procs])
+    criu.wait()
+    assert guardian.main(args) == 0
+    assert "nothing to resume" in _events(node)[-1]["outcome"]

@@ -2,9 +2,10 @@
 
 Scope first, then filter: the container's PIDs come from its cgroup (or, for
 a process in our own PID namespace, its descendants), candidates are the ones
-holding an NVIDIA device node open, and only the driver can say which of
-those are CUDA processes - an NVML-only process holds the same device nodes
-but makes every cuda-checkpoint call fail.
+holding an NVIDIA device node open or running a CUDA restore thread (a
+checkpointed process holds no device node, but its restore thread lives on),
+and only the driver can say which of those are CUDA processes - an NVML-only
+process holds the same device nodes but makes every cuda-checkpoint call fail.
 """
 
 from __future__ import annotations
@@ -128,14 +129,17 @@ def discover(
 
     At checkpoint time a CUDA process holds device nodes open, which makes the
     cheap /proc filter exact enough to keep driver probes few. A checkpointed
-    process holds none, so restore-time discovery (`require_device_fd=False`)
-    probes every process of the container instead.
+    process holds none, but keeps the driver's restore thread (named like
+    CUDA_THREAD): it is a candidate too, so that a checkpoint can see a
+    process an earlier one left checkpointed. Restore-time discovery
+    (`require_device_fd=False`) probes every process of the container.
     """
     pids, scope = container_pids(host, init_pid)
     result = Discovery(init_pid=init_pid, scope=scope, scanned=len(pids))
     for pid in pids:
         try:
-            if not require_device_fd or has_device_fd(host, pid, device_pattern):
+            if (not require_device_fd or has_device_fd(host, pid, device_pattern)
+                    or has_cuda_thread(host, pid)):
                 result.candidates.append(pid)
         except ProcessGone:
             continue

@@ -112,6 +112,17 @@ def housekeeping(ctx: Context) -> None:
 
 
 def pre_dump(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
+    # Hazard: CRIU 3.19-4.1.1 run this script twice per dump, and run the
+    # second call even when the first failed - or was killed mid-way, with
+    # no outcome recorded. The dump fails on the first call's exit status
+    # whatever this one does; its guardian, if it was armed, brings the
+    # workload back once CRIU is gone. Undo: none - this call touches nothing.
+    if criu_run.get("step"):
+        raise CudahookError(
+            f"pre-dump: an earlier call in this CRIU run stopped without finishing "
+            f"(last step: {criu_run['step']}; killed?): this dump fails, and its guardian "
+            "brings back what it had touched; nothing was touched by this call")
+    criu_run.step("started")
     init_pid = _need_init(ctx, call)
     # Hazard: containerd and docker pause the container before `runc
     # checkpoint`. A frozen process's CUDA restore thread cannot run, and
@@ -142,13 +153,32 @@ BUSY_WAIT_S = 30.0
 
 @contextlib.contextmanager
 def _busy(ctx: Context, cid: str | None) -> Any:
+    """The container's busy lock, and no guardian of an earlier checkpoint
+    of it still alive: that one may be about to bring processes back onto
+    their GPU, and a dump meanwhile would take them half-way. Waited for
+    (settings.guardian_wait_s at most, without holding the lock: the
+    guardian needs it to restore), then refused."""
     from cudahook.platform import busy
 
-    try:
-        with busy.hold(ctx.settings.state_dir, cid, BUSY_WAIT_S):
-            yield
-    except busy.Busy as exc:
-        raise EnvironmentProblem(f"pre-dump: {exc}") from exc
+    deadline = time.monotonic() + ctx.settings.guardian_wait_s
+    while True:
+        held = contextlib.ExitStack()
+        try:
+            held.enter_context(busy.hold(ctx.settings.state_dir, cid, BUSY_WAIT_S))
+        except busy.Busy as exc:
+            raise EnvironmentProblem(f"pre-dump: {exc}") from exc
+        other = guardian.pending(ctx, cid)
+        if other is None:
+            break
+        held.close()
+        left = deadline - time.monotonic()
+        if left <= 0 or not guardian.wait_exit(*other, ctx.host, max_wait_s=left):
+            raise EnvironmentProblem(
+                f"pre-dump: the guardian of an earlier checkpoint of container {cid} "
+                f"(pid {other[0]}) still runs after {ctx.settings.guardian_wait_s:g}s: "
+                "retry once it has brought the workload back; nothing was locked")
+    with held:
+        yield
 
 
 def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
@@ -159,9 +189,11 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         ctx.log("pre-dump", container=cid, skipped="disabled by annotation")
         return Exit.OK
 
-    # 2. Discover its CUDA processes. Hazard: a probe that times out is not
-    #    "not CUDA" - discovery fails instead, or a process would be dumped
-    #    with live GPU state. Nothing touched yet: a failure needs no undo.
+    # 2. Discover its CUDA processes: those holding device files, and those
+    #    with a CUDA restore thread but none (already checkpointed). Hazard:
+    #    a probe that times out is not "not CUDA" - discovery fails instead,
+    #    or a process would be dumped with live GPU state. Nothing touched
+    #    yet: a failure needs no undo.
     found = discover(ctx.host, ctx.backend, init_pid, ctx.settings.device_regex,
                      max_parallel=ctx.settings.max_parallel)
     for w in found.warnings:
@@ -179,6 +211,18 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     if not found.processes:
         ctx.log("pre-dump", container=cid, init_pid=init_pid, cuda_processes=0)
         return Exit.OK
+    # Hazard: a process already locked or checkpointed was not put there by
+    # this checkpoint (an earlier one that never finished, whose guardian
+    # is gone; or another tool). Dumped, it would be restored without its
+    # GPU state: "successfully", but dead. Its owner is unknown, so nothing
+    # here may move it: refuse before anything is locked.
+    stale = _not_running(ctx, found.processes)
+    if stale:
+        return _refuse(ctx, cid, init_pid, len(found.processes), Exit.UNSAFE,
+                       "; ".join(f"pid {pid} is already {state}" for pid, state in stale)
+                       + " (left so by an earlier checkpoint or another tool, not by this one): "
+                       "dumped, it would lose its GPU state; bring it back first (cudahook "
+                       "restore --pid PID); nothing was locked")
     if call.image_dir is None:
         raise UsageError("pre-dump: CRTOOLS_IMAGE_DIR is not set")
     # Hazard: CRIU's own CUDA plugin locks at seize and checkpoints at dump on
@@ -192,24 +236,49 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
                        "checkpoint the same processes: remove it, or stop using cudahook on "
                        "this node; nothing was locked")
 
-    # 3. What the manifest and a later restore need, and the VMM interposer's
+    # 3. Arm the guardian, before anything is touched. Hazard: this script
+    #    can die at any point from here on (a runtime's or kubelet's timeout
+    #    SIGKILLs it, the OOM killer), leaving processes locked or
+    #    checkpointed with nobody to bring them back: CRIU then aborts the
+    #    dump, and the guardian, once CRIU and this script are both gone,
+    #    restores whichever it finds locked or checkpointed. Start times are
+    #    taken first: it tells our processes from a later one that reused a
+    #    PID. If it cannot be armed, nothing is touched.
+    starts = {p.pid: _start_time(ctx, p.pid) for p in found.processes}
+    try:
+        guardian.spawn(ctx, call.criu_pid, cid, [(p, starts[p]) for p in found.pids],
+                       criu_run.path, {p.pid: p.nspid for p in found.processes})
+    except Exception as exc:
+        raise EnvironmentProblem(f"pre-dump: cannot arm the guardian: {exc}; "
+                                 "nothing was locked") from exc
+    criu_run.step("guardian armed")
+
+    # 4. What the manifest and a later restore need, and the VMM interposer's
     #    prepare step, which must run before the CUDA lock. A partial set of
     #    interposer sockets is refused here. Nothing is locked yet: a refusal
-    #    aborts the dump and the workload never noticed.
+    #    aborts the dump and the workload never noticed. The state --prepare
+    #    saved is copied for the guardian now, before any lock: CRIU's image
+    #    directory is gone by the time the guardian acts.
     try:
         gpus, models = gpus_and_models(ctx, visible_gpus(record))
         version = ctx.backend.features.version
         with_vmm = _interposer_prepare(ctx, cid, found.processes, call)
+        if with_vmm:
+            keep_vmm_state(call, criu_run)
     except CudahookError as exc:
         _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
         raise
+    except OSError as exc:
+        message = f"pre-dump: cannot keep the VMM state for the guardian: {exc}; nothing was locked"
+        _remember(ctx, cid, "checkpoint", ok=False, error=message)
+        raise EnvironmentProblem(message) from exc
 
-    # 4. Lock all (in parallel: a partly locked NCCL job can hang its peers),
+    # 5. Lock all (in parallel: a partly locked NCCL job can hang its peers),
     #    then checkpoint all. Undo on any failure: the engine rolls every
     #    touched process back and verifies each one `running`; CRIU then
-    #    aborts on our exit status. Start times are taken first: the guardian
-    #    tells our processes from a later process that reused a PID.
-    starts = {p.pid: _start_time(ctx, p.pid) for p in found.processes}
+    #    aborts on our exit status (the guardian finds them running and
+    #    leaves them; a rollback that failed it tries again).
+    criu_run.step("locking and checkpointing")
     try:
         result = ctx.engine.checkpoint(found.processes, fresh_states=True)
     except PhaseError as exc:
@@ -252,14 +321,14 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         _remember(ctx, cid, "checkpoint", ok=False, error=message)
         return code
 
-    # 5. Record the checkpoint in the image, and leave the guardian behind.
-    #    Hazard: the dump can still fail after us (even while freezing, where
-    #    CRIU runs no script), or run with --leave-running; either way CRIU
-    #    lets the tasks run again, checkpointed, off their GPU. Only the
-    #    guardian, waiting for CRIU to exit, can bring them back.
-    #    Undo if either cannot be done: without a manifest the restore could
-    #    never bring the GPU state back, and without a guardian nothing would
-    #    after CRIU aborts - so remove the manifest and restore everything now.
+    # 6. Record the checkpoint in the image. Hazard: the dump can still fail
+    #    after us (even while freezing, where CRIU runs no script), or run
+    #    with --leave-running; either way CRIU lets the tasks run again,
+    #    checkpointed, off their GPU: the guardian armed above brings them
+    #    back. Undo if the manifest cannot be written: without it the
+    #    restore could never bring the GPU state back - so remove it and
+    #    restore everything now.
+    criu_run.step("checkpointed")
     data = {
         "container_id": cid,
         "created": time.time(),
@@ -275,8 +344,6 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     }
     try:
         manifest.write(call.image_dir, data)
-        vmm_keep = keep_vmm_state(ctx, call, criu_run, found.processes) if with_vmm else None
-        guardian.spawn(ctx, call.criu_pid, cid, [(p, starts[p]) for p in found.pids], vmm_keep)
     except Exception as exc:
         with contextlib.suppress(OSError):
             (call.image_dir / manifest.NAME).unlink()
@@ -287,7 +354,8 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
                           safe=False) if undo else
                EnvironmentProblem(f"pre-dump: cannot record the checkpoint: {exc}")) from exc
 
-    # 6. Handed over to CRIU: it dumps the processes, now without GPU state.
+    # 7. Handed over to CRIU: it dumps the processes, now without GPU state.
+    criu_run.step("recorded")
     ctx.log("checkpoint", container=cid, pids=found.pids,
             nspids=[p.nspid for p in found.processes], total_s=result.timeline.total(),
             timeline=result.timeline.to_dict())
@@ -339,17 +407,20 @@ def undo_prepare(ctx: Context, cid: str | None, directory: Path | None,
     return None
 
 
-def keep_vmm_state(ctx: Context, call: CriuCall, criu_run: CriuRun,
-                   procs: list[Any]) -> dict[str, Any]:
-    """A private copy of the VMM state for the guardian: by the time it runs,
-    CRIU's image directory path is gone, or the image was dropped."""
+def keep_vmm_state(call: CriuCall, criu_run: CriuRun) -> None:
+    """A private copy of the VMM state for the guardian, where it looks for
+    one: by the time it runs, CRIU's image directory path is gone, or the
+    image was dropped. Written whole or not at all: the guardian takes the
+    directory's presence for "prepare ran"."""
     import shutil
 
     assert call.image_dir is not None
-    copy = criu_run.path.with_suffix(".vmm-undo")
-    copy.mkdir(mode=0o700, exist_ok=True)
-    shutil.copyfile(call.image_dir / vmm.STATE_FILE, copy / vmm.STATE_FILE)
-    return {"dir": str(copy), "nspids": {str(p.pid): p.nspid for p in procs}}
+    copy = guardian.vmm_dir(criu_run.path)
+    partial = copy.with_name(copy.name + ".new")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(mode=0o700)
+    shutil.copyfile(call.image_dir / vmm.STATE_FILE, partial / vmm.STATE_FILE)
+    partial.rename(copy)
 
 
 # == restore: post-restore =====================================================
@@ -515,6 +586,21 @@ def _need_init(ctx: Context, call: CriuCall) -> int:
         raise UsageError(f"{call.action}: CRTOOLS_INIT_PID {call.init_pid} is a kernel thread, "
                          "not a container's init")
     return call.init_pid
+
+
+def _not_running(ctx: Context, procs: list[Any]) -> list[tuple[int, str]]:
+    """(pid, state) of the CUDA processes that are not running: as discovery
+    read them, or, where it read no state, checkpointed if they hold no
+    device file (a checkpoint releases them all)."""
+    from cudahook.core.backends import CHECKPOINTED, LOCKED
+
+    out = []
+    for p in procs:
+        if p.state in (LOCKED, CHECKPOINTED):
+            out.append((p.pid, p.state))
+        elif p.state is None and not device_files(ctx.host, p.pid, ctx.settings.device_regex):
+            out.append((p.pid, CHECKPOINTED))
+    return out
 
 
 def _start_time(ctx: Context, pid: int) -> int | None:

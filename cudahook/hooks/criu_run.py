@@ -36,6 +36,12 @@ class CriuRun:
         rc = self.progress["done"].get(action)
         return int(rc) if isinstance(rc, int) else None
 
+    def step(self, name: str) -> None:
+        """Where the action under way has got to, written at once: the
+        guardian reads it to tell why a pre-dump it was armed by stopped."""
+        self.progress["step"] = name
+        write_json_atomic(self.path, self.progress)
+
     def finish(self, action: str, rc: int) -> None:
         self.progress["done"][action] = int(rc)
         write_json_atomic(self.path, self.progress)

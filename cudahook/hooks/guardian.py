@@ -1,13 +1,26 @@
 """Bring a workload back onto its GPU once CRIU lets it run again.
 
-Started detached at pre-dump. CRIU resumes the tasks when a dump fails (at
-any point, including while freezing, where no action script runs) or when it
-dumps with --leave-running; either way the CUDA processes are alive but
-checkpointed. A successful dump kills them. So: wait for this CRIU process
-to exit, and restore whichever of the checkpointed processes is still alive;
-if the CUDA VMM interposer took part, replay its saved state into them too
-(the checkpoint dropped their VMM mappings). Failing that, it says so: the
-result is recorded unsafe, never "resumed".
+Armed at pre-dump before the first CUDA lock, detached (its own session), so
+that whatever ends the action script - its own failure, a SIGKILL from a
+runtime's or kubelet's timeout, the OOM killer - someone is left to undo
+what it did. CRIU lets the tasks run again when a dump fails (at any point,
+including while freezing, where no action script runs, and when the action
+script itself failed or was killed: CRIU then aborts) or when it dumps with
+--leave-running; a successful dump kills them.
+
+So the guardian never acts while a dump may still legitimately run: it waits
+for this CRIU process to exit, then for the action script that armed it (a
+CRIU that was killed itself leaves a hook that may still be locking). Then
+it reads each of its processes' CUDA state and restores only those it finds
+locked or checkpointed - one that never got locked, or that the action
+script already rolled back, is left alone. If the CUDA VMM interposer's
+prepare ran (its state was copied next to the run's progress record before
+the first lock), the state is replayed into the processes it brought back
+from checkpointed: the checkpoint dropped their VMM mappings. Failing that,
+it says so: the result is recorded unsafe, never "resumed".
+
+While it lives, its marker in the state directory names it, so that a new
+checkpoint of the same container waits for it (see `pending`).
 """
 
 from __future__ import annotations
@@ -21,44 +34,88 @@ import time
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from pathlib import Path
     from typing import Any
 
 
 MAX_WAIT_S = 6 * 3600
 POLL_S = 0.1
+# Where the VMM prepare state is kept for the guardian, next to the run's record.
+VMM_SUFFIX = ".vmm-undo"
 
 
 def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int | None]],
-          vmm_keep: dict[str, Any] | None = None) -> None:
-    """Leave a guardian behind for this CRIU run, detached (its own session:
-    a runtime that kills the hook's process group does not kill it).
+          run_path: Path, vmm_nspids: dict[int, int]) -> None:
+    """Arm the guardian for this CRIU run, detached (its own session: a
+    runtime that kills the hook's process group does not kill it), and leave
+    its marker for the container.
 
-    `procs` are (pid, start time) pairs: the start time tells our processes
-    from a later process that reused the PID. `vmm_keep`: where a copy of the
-    VMM state --prepare saved is, and each process's namespace PID.
+    `procs` are (pid, start time) pairs, every process this pre-dump may
+    touch: the start time tells ours from a later process that reused the
+    PID. `run_path`: the run's progress record (criu_run.py). `vmm_nspids`:
+    each process's namespace PID, for a VMM replay.
     """
     import subprocess
     import sys
     from dataclasses import asdict
 
+    hook = os.getpid()
     args = {
         "criu_pid": criu_pid,
         "criu_start": ctx.host.start_time(criu_pid),
+        "hook": [hook, ctx.host.start_time(hook)],
         "container": cid,
         "procs": procs,
         "settings": asdict(ctx.settings),
-        "vmm": vmm_keep,
+        "run": str(run_path),
+        "vmm": {"dir": str(vmm_dir(run_path)), "nspids": {str(p): n for p, n in vmm_nspids.items()}},
     }
-    subprocess.Popen(
+    child = subprocess.Popen(
         [sys.executable, "-I", "-c", "import sys; from cudahook.hooks.guardian import main; "
          "sys.exit(main(sys.argv[1]))", json.dumps(args)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True,
     )
+    if cid:
+        from cudahook.platform.store import write_json_atomic
+
+        write_json_atomic(_marker(ctx.settings.state_dir, cid),
+                          {"pid": child.pid, "start": ctx.host.start_time(child.pid),
+                           "criu_pid": criu_pid})
 
 
-def wait_exit(pid: int, start: int, host: Any, max_wait_s: float | None = None) -> bool:
-    """Wait for that CRIU process (PID and start time) to exit; False if it
+def vmm_dir(run_path: Path) -> Path:
+    return run_path.with_suffix(VMM_SUFFIX)
+
+
+def _marker(state_dir: str, cid: str) -> Path:
+    from pathlib import Path
+
+    from cudahook.platform.privdir import ensure_private_dir
+    from cudahook.platform.store import check_id
+
+    d = ensure_private_dir(ensure_private_dir(Path(state_dir)) / "guardians")
+    return d / f"{check_id(cid)}.json"
+
+
+def pending(ctx: Any, cid: str | None) -> tuple[int, int] | None:
+    """The (pid, start time) of a guardian of this container that is still
+    alive, if any: it may be about to bring processes back, or be doing it."""
+    if not cid:
+        return None
+    from cudahook.platform.store import read_json
+
+    data = read_json(_marker(ctx.settings.state_dir, cid))
+    if not isinstance(data, dict):
+        return None
+    pid, start = data.get("pid"), data.get("start")
+    if type(pid) is not int or type(start) is not int or pid <= 0:
+        return None
+    return (pid, start) if _alive(ctx.host, pid, start) else None
+
+
+def wait_exit(pid: int, start: int | None, host: Any, max_wait_s: float | None = None) -> bool:
+    """Wait for that process (PID and start time) to exit; False if it
     still runs after max_wait_s.
 
     Only the process's end counts. pidfd_open is the cheap way to wait; where
@@ -89,7 +146,7 @@ def wait_exit(pid: int, start: int, host: Any, max_wait_s: float | None = None) 
             os.close(fd)
 
 
-def _alive(host: Any, pid: int, start: int) -> bool:
+def _alive(host: Any, pid: int, start: int | None) -> bool:
     """Alive unless /proc says otherwise: an unreadable entry is not an exit."""
     try:
         return bool(host.alive(pid, start))
@@ -139,28 +196,76 @@ def _frozen(ctx: Any, pid: int) -> bool:
         return False
 
 
+def _how(args: dict[str, Any]) -> str:
+    """What the run's progress record says of the pre-dump that armed us:
+    its outcome, or the step where its action script stopped."""
+    from pathlib import Path
+
+    from cudahook.platform.store import read_json
+
+    data = read_json(Path(args["run"])) if args.get("run") else None
+    if not isinstance(data, dict):
+        return "pre-dump left no record"
+    done = data.get("done")
+    rc = done.get("pre-dump") if isinstance(done, dict) else None
+    # The step is the first call's: CRIU's duplicate call refuses to act
+    # after a first call that never finished, and records only its exit.
+    last = f"last step: {data.get('step') or 'none'}"
+    return f"pre-dump exited {rc} ({last})" if type(rc) is int else f"pre-dump did not finish ({last})"
+
+
 def main(arg: str) -> int:
+    args = json.loads(arg)
+    cid = args.get("container")
+    try:
+        return _guard(args, cid)
+    finally:
+        if cid:
+            _unmark(args, cid)
+
+
+def _unmark(args: dict[str, Any], cid: str) -> None:
+    """Remove this guardian's marker (only its own: a later one may have
+    replaced it)."""
+    from cudahook.platform.store import read_json
+
+    with contextlib.suppress(Exception):
+        path = _marker(args["settings"]["state_dir"], cid)
+        data = read_json(path)
+        if isinstance(data, dict) and data.get("pid") == os.getpid():
+            path.unlink()
+
+
+def _guard(args: dict[str, Any], cid: str | None) -> int:
+    from cudahook.core.backends import CHECKPOINTED, LOCKED
+    from cudahook.core.timeline import Timeline
     from cudahook.platform.config import Settings
     from cudahook.platform.errors import CudahookError
 
     from .context import Context
 
-    args = json.loads(arg)
     ctx = Context(Settings(**args["settings"]))
-    cid = args.get("container")
-    if not wait_exit(int(args["criu_pid"]), int(args["criu_start"]), ctx.host):
-        # Restoring under a dump that is still running would put GPU state
-        # into processes CRIU is saving: never proceed while CRIU lives.
-        ctx.log("guardian", container=cid, error=f"CRIU (pid {args['criu_pid']}) still "
-                f"running after {MAX_WAIT_S}s: the workload is left checkpointed")
-        return 1
+    # Restoring under a dump that is still running would put GPU state into
+    # processes CRIU is saving: never proceed while CRIU lives. The action
+    # script is waited for too: it may outlive a CRIU that was killed, and
+    # must not be racing us. Its own calls all have deadlines.
+    hook = args.get("hook") or [None, None]
+    for what, pid, start in (("CRIU", args["criu_pid"], args["criu_start"]),
+                             ("the action script", hook[0], hook[1])):
+        if pid is not None and not wait_exit(int(pid), start, ctx.host):
+            ctx.log("guardian", container=cid, error=f"{what} (pid {pid}) still running after "
+                    f"{MAX_WAIT_S}s: the workload is left as it is")
+            return 1
+    how = _how(args)
     # The tasks of a completed dump are being killed; let that land.
     time.sleep(0.05)
-    alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
     keep = args.get("vmm")
+    if keep and not os.path.isdir(keep["dir"]):
+        keep = None  # prepare never ran (or no VMM step): nothing to replay
+    alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
     if not alive:
         _drop(keep)
-        ctx.log("guardian", container=cid, outcome="dump completed; nothing to resume")
+        ctx.log("guardian", container=cid, outcome="dump completed; nothing to resume", run=how)
         return 0
     # A runtime that paused the container for the dump resumes it after
     # CRIU exits; the CUDA restore can only run once it has.
@@ -175,7 +280,18 @@ def main(arg: str) -> int:
         alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
     try:
         with _busy(ctx, cid):
-            result = ctx.engine.restore(alive, unlock=not (
+            # Only what a checkpoint left behind: a process that was never
+            # locked, or that the action script rolled back, runs already.
+            states, unread = ctx.engine.read_states(alive, Timeline())
+            if unread:
+                raise CudahookError("; ".join(unread[p] for p in sorted(unread)))
+            todo = [p for p in alive if states[p] in (LOCKED, CHECKPOINTED)]
+            if not todo:
+                _drop(keep)
+                ctx.log("guardian", container=cid, outcome="every process runs; nothing to "
+                        "resume", run=how)
+                return 0
+            result = ctx.engine.restore(todo, unlock=not (
                 keep and ctx.settings.vmm_restore_before_unlock))
             if keep:
                 _vmm_restore(ctx, cid, keep, result)
@@ -185,7 +301,7 @@ def main(arg: str) -> int:
             ctx.log("guardian", container=cid, outcome="tasks exited while resuming")
             return 0
         error = f"could not bring the workload back onto its GPU: {exc}"
-        ctx.log("guardian", container=cid, pids=alive, error=error,
+        ctx.log("guardian", container=cid, pids=alive, error=error, run=how,
                 vmm_state=keep["dir"] if keep else None)
         if cid:
             with contextlib.suppress(OSError, CudahookError):
@@ -193,9 +309,9 @@ def main(arg: str) -> int:
                                                    "unsafe": True, "error": error})
         return 1
     _drop(keep)
-    ctx.log("guardian", container=cid, pids=alive, outcome="resumed on GPU after the dump",
-            total_s=result.timeline.total(), timeline=result.timeline.to_dict())
+    ctx.log("guardian", container=cid, pids=todo, outcome="resumed on GPU after the dump",
+            run=how, total_s=result.timeline.total(), timeline=result.timeline.to_dict())
     if cid:
         with contextlib.suppress(OSError, CudahookError):
-            ctx.store.remember(cid, "resume", {"time": time.time(), "ok": True, "pids": alive})
+            ctx.store.remember(cid, "resume", {"time": time.time(), "ok": True, "pids": todo})
     return 0

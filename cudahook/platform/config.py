@@ -56,6 +56,9 @@ class Settings:
     # How long a gone container's last results (and, when poststop never ran,
     # its record) stay in the state directory, which is RAM.
     state_retention_s: float = 86400.0
+    # How long a checkpoint waits for the guardian of an earlier checkpoint
+    # of the same container to finish bringing it back, before it refuses.
+    guardian_wait_s: float = 60.0
 
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--tag")
     f.add_argument("--code", type=int)
     f.add_argument("--times", type=int)
+    f.add_argument("--skip", type=int, help="let this many matching calls through first")
     sub.add_parser("demo", help="checkpoint and restore simulated CUDA processes")
     args = p.parse_args(argv)
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.clear:
             lab.clear_faults()
             return 0
-        match = {k: v for k in ("pid", "tag", "code", "times") if (v := getattr(args, k)) is not None}
+        match = {k: v for k in ("pid", "tag", "code", "times", "skip") if (v := getattr(args, k)) is not None}
         lab.fault(args.action, args.mode, **match)
         return 0
     if args.cmd == "demo":

@@ -277,7 +277,9 @@ class SimLab:
     # -- faults ----------------------------------------------------------------
 
     def fault(self, action: str, mode: str = "error", **match: Any) -> None:
-        """Make the fake cuda-checkpoint fail `action` (mode error/hang/crash)."""
+        """Make the fake cuda-checkpoint and libcuda fail `action` (mode
+        error/hang/crash) on the calls that `match` (pid, tag), `times` times
+        (default: every time) after letting `skip` of them through (default 0)."""
         path = self.root / "faults.json"
         rules = json.loads(path.read_text()) if path.exists() else []
         rules.append({"action": action, "mode": mode, **match})

@@ -395,6 +395,7 @@ def _inject_fault(sim_dir: str, pid: int, op: str) -> None:
         fcntl.flock(f, fcntl.LOCK_EX)
         rules = json.loads(f.read() or "[]")
         hit = None
+        changed = False
         for rule in rules:
             if rule.get("action", "*") not in ("*", op):
                 continue
@@ -404,13 +405,19 @@ def _inject_fault(sim_dir: str, pid: int, op: str) -> None:
                 continue
             if rule.get("times", 1) <= 0:
                 continue
+            if rule.get("skip", 0) > 0:  # let this many matching calls through first
+                rule["skip"] -= 1
+                changed = True
+                continue
             hit = rule
             if "times" in rule:
                 rule["times"] -= 1
-                f.seek(0)
-                f.truncate()
-                f.write(json.dumps(rules))
+                changed = True
             break
+        if changed:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(rules))
     if hit is None:
         return
     mode = hit.get("mode", "error")

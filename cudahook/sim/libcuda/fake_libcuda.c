@@ -384,8 +384,8 @@ static CUresult ask(int pid, const char *request, char *reply, size_t size) {
 typedef struct {
     char action[32], mode[16], tag[128], message[256];
     long pid;
-    int has_pid, has_tag, has_times, has_message;
-    long times;
+    int has_pid, has_tag, has_times, has_message, has_skip;
+    long times, skip;
     long code;
 } Rule;
 
@@ -418,6 +418,8 @@ static int parse_rules(const char *text, Rule *rules) {
         r->pid = (long)json_get_number(obj, "pid", -1);
         r->has_times = json_find(obj, "times") != NULL;
         r->times = (long)json_get_number(obj, "times", 1);
+        r->has_skip = json_find(obj, "skip") != NULL;
+        r->skip = (long)json_get_number(obj, "skip", 0);
         r->code = (long)json_get_number(obj, "code", CUDA_ERROR_UNKNOWN);
         p = skip_ws(end + 1);
         if (*p == ',')
@@ -460,6 +462,8 @@ static void write_rules(int fd, const Rule *rules, int count) {
         }
         if (r->has_times)
             fprintf(f, ", \"times\": %ld", r->times);
+        if (r->has_skip)
+            fprintf(f, ", \"skip\": %ld", r->skip);
         fprintf(f, ", \"code\": %ld", r->code);
         if (r->has_message) {
             fputs(", \"message\": ", f);
@@ -518,6 +522,11 @@ static CUresult inject_fault(int pid, const char *op) {
         }
         if (r->has_times && r->times <= 0)
             continue;
+        if (r->has_skip && r->skip > 0) { /* let this many matching calls through first */
+            r->skip--;
+            write_rules(fd, rules, count);
+            continue;
+        }
         hit = *r;
         found = 1;
         if (r->has_times) {
