@@ -140,3 +140,37 @@ def test_common_options_go_before_or_after_the_command(node: Node) -> None:
     r = subprocess.run([sys.executable, "-m", "cudahook", "--config", cfg, "state", "--pid", "1",
                         "--config", str(other)], capture_output=True, text=True, timeout=60)
     one_line_error(r, 3, "call_timeout_s")
+
+
+@pytest.mark.parametrize("cmd", ["checkpoint", "restore"])
+def test_checkpoint_and_restore_wait_for_a_live_guardian_of_the_container(
+        node: Node, cmd: str) -> None:
+    """A guardian still bringing the container back: the CLI waits for it
+    (guardian_wait_s), then refuses with exit 5, having touched nothing."""
+    from cudahook.hooks import guardian
+    from cudahook.platform.host import Host
+    from cudahook.platform.store import Store, write_json_atomic
+
+    init = node.spawn_tree(("a", {"mib": 1}))
+    a = node.lab.wait_counter("a")["pid"]
+    engine = node.engine()
+    if cmd == "restore":
+        engine.checkpoint([a])
+    before = engine.read_state(a)
+    cfg = write_config(node, guardian_wait_s=1)
+    state_dir = node.settings().state_dir
+    Store(state_dir).update("c1", pid=init.pid, pid_start=None)
+    earlier = subprocess.Popen(["sleep", "600"])
+    node.procs.append(earlier)
+    write_json_atomic(guardian._marker(state_dir, "c1"),
+                      {"pid": earlier.pid, "start": Host().start_time(earlier.pid), "criu_pid": 1})
+    one_line_error(cli(cmd, "--init-pid", str(init.pid), config=cfg), 5,
+                   f"{cmd}: the guardian of an earlier checkpoint of container c1")
+    assert engine.read_state(a) == before
+    earlier.kill()
+    earlier.wait()
+    r = cli(cmd, "--init-pid", str(init.pid), config=cfg)
+    assert r.returncode == 0, r.stderr
+    assert engine.read_state(a) == ("checkpointed" if cmd == "checkpoint" else "running")
+    if cmd == "checkpoint":
+        engine.restore([a])

@@ -215,13 +215,52 @@ def run(args: argparse.Namespace) -> int:
         return Exit.OK
 
     engine = Engine(backend, settings, host)
-    if args.cmd == "checkpoint":
-        result = engine.checkpoint(resolve(True))
-    else:
-        device_map = _device_map(args)
-        result = engine.restore(resolve(False), device_map)
+    device_map = _device_map(args) if args.cmd == "restore" else None
+    # A pre-dump or a guardian moving the same container's processes: wait
+    # for it (bounded), as they wait for each other, or refuse. Discovery
+    # probes too, so it runs inside.
+    from cudahook.hooks import guardian
+    from cudahook.hooks.context import Context
+
+    cid = _container_of(settings, host, args)
+    with guardian.exclusive(Context(settings, host), cid, BUSY_WAIT_S, args.cmd):
+        if args.cmd == "checkpoint":
+            result = engine.checkpoint(resolve(True))
+        else:
+            result = engine.restore(resolve(False), device_map)
     _emit(args, result.to_dict(), _summary(result))
     return Exit.OK
+
+
+# How long `checkpoint`/`restore` wait for a hook or `status` holding the container.
+BUSY_WAIT_S = 30.0
+
+
+def _container_of(settings: Any, host: Any, args: argparse.Namespace) -> str | None:
+    """The recorded container the targets belong to, if any: the one whose
+    init is --init-pid, or whose init shares the --pid processes' PID
+    namespace."""
+    from cudahook.platform.host import ProcessGone
+    from cudahook.platform.store import Store
+
+    records = [r for r in Store(settings.state_dir).records()
+               if isinstance(r.get("id"), str) and type(r.get("pid")) is int]
+    if args.init_pid:
+        return next((r["id"] for r in records if r["pid"] == args.init_pid), None)
+    try:
+        spaces = {host.pidns(p) for p in args.pid}
+        own = host.own_pidns()
+    except (ProcessGone, PermissionError, OSError):
+        return None
+    if len(spaces) != 1 or own in spaces:
+        return None
+    for r in records:
+        try:
+            if host.pidns(r["pid"]) in spaces:
+                return str(r["id"])
+        except (ProcessGone, PermissionError, OSError):
+            continue
+    return None
 
 
 def _manifest_json(image_dir: str) -> Any:

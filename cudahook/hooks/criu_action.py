@@ -151,34 +151,8 @@ def pre_dump(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
 BUSY_WAIT_S = 30.0
 
 
-@contextlib.contextmanager
 def _busy(ctx: Context, cid: str | None) -> Any:
-    """The container's busy lock, and no guardian of an earlier checkpoint
-    of it still alive: that one may be about to bring processes back onto
-    their GPU, and a dump meanwhile would take them half-way. Waited for
-    (settings.guardian_wait_s at most, without holding the lock: the
-    guardian needs it to restore), then refused."""
-    from cudahook.platform import busy
-
-    deadline = time.monotonic() + ctx.settings.guardian_wait_s
-    while True:
-        held = contextlib.ExitStack()
-        try:
-            held.enter_context(busy.hold(ctx.settings.state_dir, cid, BUSY_WAIT_S))
-        except busy.Busy as exc:
-            raise EnvironmentProblem(f"pre-dump: {exc}") from exc
-        other = guardian.pending(ctx, cid)
-        if other is None:
-            break
-        held.close()
-        left = deadline - time.monotonic()
-        if left <= 0 or not guardian.wait_exit(*other, ctx.host, max_wait_s=left):
-            raise EnvironmentProblem(
-                f"pre-dump: the guardian of an earlier checkpoint of container {cid} "
-                f"(pid {other[0]}) still runs after {ctx.settings.guardian_wait_s:g}s: "
-                "retry once it has brought the workload back; nothing was locked")
-    with held:
-        yield
+    return guardian.exclusive(ctx, cid, BUSY_WAIT_S, "pre-dump")
 
 
 def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,

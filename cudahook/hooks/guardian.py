@@ -34,6 +34,7 @@ import time
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from pathlib import Path
     from typing import Any
 
@@ -112,6 +113,39 @@ def pending(ctx: Any, cid: str | None) -> tuple[int, int] | None:
     if type(pid) is not int or type(start) is not int or pid <= 0:
         return None
     return (pid, start) if _alive(ctx.host, pid, start) else None
+
+
+@contextlib.contextmanager
+def exclusive(ctx: Any, cid: str | None, busy_wait_s: float, what: str) -> Iterator[None]:
+    """The container's busy lock (Busy after busy_wait_s: EnvironmentProblem),
+    with no guardian of the container still alive: that one may be about
+    to bring processes back onto their GPU, and a checkpoint or restore
+    meanwhile would take them half-way. A live guardian is waited for
+    (settings.guardian_wait_s at most, without holding the lock: it needs
+    it to restore), then refused. Pre-dump and the admin CLI's checkpoint
+    and restore go through here."""
+    from cudahook.platform import busy
+    from cudahook.platform.errors import EnvironmentProblem
+
+    deadline = time.monotonic() + ctx.settings.guardian_wait_s
+    while True:
+        held = contextlib.ExitStack()
+        try:
+            held.enter_context(busy.hold(ctx.settings.state_dir, cid, busy_wait_s))
+        except busy.Busy as exc:
+            raise EnvironmentProblem(f"{what}: {exc}") from exc
+        other = pending(ctx, cid)
+        if other is None:
+            break
+        held.close()
+        left = deadline - time.monotonic()
+        if left <= 0 or not wait_exit(*other, ctx.host, max_wait_s=left):
+            raise EnvironmentProblem(
+                f"{what}: the guardian of an earlier checkpoint of container {cid} "
+                f"(pid {other[0]}) still runs after {ctx.settings.guardian_wait_s:g}s: "
+                "retry once it has brought the workload back; nothing was locked")
+    with held:
+        yield
 
 
 def wait_exit(pid: int, start: int | None, host: Any, max_wait_s: float | None = None) -> bool:
