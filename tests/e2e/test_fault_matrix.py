@@ -159,7 +159,8 @@ class Matrix:
         cfg.update(DEADLINES, backend=backend)
         self.env.config.write_text(yaml.safe_dump(cfg))
 
-    def start(self, prefix: str, workload: str, others: tuple[str, ...] = ()) -> Box:
+    def start(self, prefix: str, workload: str, others: tuple[str, ...] = (),
+              annotations: dict[str, str] | None = None) -> Box:
         """A running container of three CUDA processes tagged prefix.N."""
         self.count += 1
         name = f"{prefix}{self.count}"
@@ -169,7 +170,7 @@ class Matrix:
             control = self.tmp / f"control-{name}"
             control.mkdir()
         bundle = self.env.box.bundle(name, [(prefix, opts)], others=list(others),
-                                     snapshot_control=control)
+                                     snapshot_control=control, annotations=annotations)
         cid = self.env.cid()
         r = self.env.box.run(cid, bundle)
         assert r.returncode == 0, r.stderr
@@ -251,7 +252,10 @@ def small_fs(path: Path, fill: str, leave_inodes: int = 0) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-# A process CRIU refuses to seize: it is already traced (by its parent).
+# A process CRIU cannot seize: it is already traced (by its parent). CRIU
+# retries until its freeze deadline (--timeout, 10 s unless configured) and
+# fails the dump without running another action script.
+FREEZE_TIMEOUT_S = 2
 TRACED = ("/usr/bin/python3 -c 'import ctypes,os,time; os.fork() or "
           "ctypes.CDLL(None).ptrace(0, 0, 0, 0); time.sleep(1e6)'")
 # A process holding a connection to a socket outside the container: CRIU
@@ -305,7 +309,12 @@ def checkpoint_case(m: Matrix, case: Case, tmp: Path) -> None:
     env = m.env
     others = {"criu-freeze": (TRACED,), "criu-dump": (EXTERNAL,)}.get(case.step, ())
     own = case.step in ("criu-freeze",) or case.variant == "external-socket"
-    box = m.start("x", case.workload, others) if own else m.live_box(case.workload)
+    notes = None
+    if case.step == "criu-freeze":
+        conf = tmp / "criu.conf"  # runc's CRIU configuration, with a short --timeout
+        conf.write_text(env.box.criu_conf.read_text() + f"timeout {FREEZE_TIMEOUT_S}\n")
+        notes = {"org.criu.config": str(conf)}
+    box = m.start("x", case.workload, others, notes) if own else m.live_box(case.workload)
     box.spoiled = True  # until this case has shown it healthy
     victim = box.tags[VICTIM]
     dead: tuple[str, ...] = ()
@@ -362,8 +371,13 @@ def _cudahook_refused(case: Case, at_return: list[dict], _later: list[dict],
 
 def _guardian_resumed(case: Case, _at_return: list[dict], later: list[dict],
                       image: Path) -> None:
-    """pre-dump succeeded, CRIU failed after it: the guardian brought the
-    processes back."""
+    """pre-dump succeeded, CRIU failed after it (for the reason the case
+    set up): the guardian brought the processes back."""
+    log = (image.parent / f"{image.name}.work" / "dump.log").read_text()
+    why = {"criu-freeze": "Timeout reached", "external-socket": "External socket is used",
+           "disk-full": "No space left on device"}
+    says = why[case.step if case.step == "criu-freeze" else case.variant or case.kind]
+    assert says in log, log[-2000:]
     assert any(e["event"] == "checkpoint" and not e.get("error") for e in later), later
     assert any(e["event"] == "guardian" and "resumed" in e.get("outcome", "")
                for e in later), later
