@@ -51,6 +51,45 @@ def container_pids(cid: str) -> dict[int, int]:
     return found
 
 
+def _start_time(pid: int, *, zombie: bool = True) -> int | None:
+    """The process's start time; None if it is gone (or, `zombie` False,
+    exited and not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" and not zombie else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_tree(init_pid: int) -> dict[int, int]:
+    """A process and all its descendants, PID -> start time (a PID reused
+    later is another process)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree: dict[int, int] = {}
+    todo = [init_pid]
+    while todo:
+        pid = todo.pop()
+        start = _start_time(pid)
+        if start is not None:
+            tree[pid] = start
+            todo += children.get(pid, [])
+    return tree
+
+
+def still_alive(tree: dict[int, int]) -> list[int]:
+    """The processes of `tree` that still run (an unreaped zombie runs nothing)."""
+    return [pid for pid, start in tree.items() if _start_time(pid, zombie=False) == start]
+
+
 def workload_pids(lab: SimLab, cid: str, tags: list[str]) -> dict[str, int | None]:
     """Each workload's live host PID in that container (None: not alive)."""
     by_nspid = {ns: pid for pid, ns in container_pids(cid).items()}
