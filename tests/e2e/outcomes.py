@@ -114,7 +114,7 @@ def _until(cond: Any, timeout: float = SETTLE_S) -> bool:
 
 
 def assert_running_and_intact(env: Any, cid: str, tags: list[str],
-                              dead: tuple[str, ...] = ()) -> None:
+                              dead: tuple[str, ...] = (), settle: float = SETTLE_S) -> None:
     """After a failed checkpoint: the container runs; every workload but those
     the fault killed (`dead`, which must really be gone) reads `running`
     from the driver and, counted from now, advances with memory intact."""
@@ -134,7 +134,7 @@ def assert_running_and_intact(env: Any, cid: str, tags: list[str],
         return all(s == "running" for s in states.values()) and all(
             pids[t] is None for t in dead)
 
-    if not _until(settled):
+    if not _until(settled, settle):
         pids = workload_pids(lab, cid, tags)
         assert all(pids[t] is None for t in dead), f"killed workload still alive: {pids}"
         assert all(s == "running" for s in states.values()), f"not running: {states}"
@@ -148,10 +148,10 @@ def image_hashes(image: Path) -> dict[str, str]:
 
 
 def assert_nothing_restored(env: Any, cid: str, image: Path,
-                            before: dict[str, str]) -> None:
+                            before: dict[str, str], settle: float = SETTLE_S) -> None:
     """After a failed restore: no process of the container alive, the
     container gone or stopped, the image as it was."""
-    if not _until(lambda: not container_pids(cid)):
+    if not _until(lambda: not container_pids(cid), settle):
         raise AssertionError(f"a half-restored container was left running: "
                              f"{container_pids(cid)}")
     st = env.box.state(cid)

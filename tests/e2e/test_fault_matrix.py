@@ -425,6 +425,36 @@ def restore_case(m: Matrix, case: Case) -> None:
     env.box.delete(box.cid)
 
 
+def test_the_outcome_checks_can_fail(matrix: Matrix, tmp_path: Path) -> None:
+    """Each outcome check fails on what it must catch: a process left
+    checkpointed, a container left running, an image changed."""
+    env = matrix.env
+    matrix.configure("driver-api")
+    box = matrix.live_box("plain")
+    pid = workload_pids(env.lab, box.cid, box.tags)[box.tags[VICTIM]]
+    assert pid is not None
+    tool = str(env.lab.cuda_checkpoint)
+    box.spoiled = True
+    for action in ("lock", "checkpoint"):
+        subprocess.run([tool, "--action", action, "--pid", str(pid)], check=True, timeout=30)
+    with pytest.raises(AssertionError, match="not running"):
+        assert_running_and_intact(env, box.cid, box.tags, settle=0.5)
+    for action in ("restore", "unlock"):
+        subprocess.run([tool, "--action", action, "--pid", str(pid)], check=True, timeout=30)
+    assert_running_and_intact(env, box.cid, box.tags)
+    box.spoiled = False
+    image = tmp_path / "img"
+    image.mkdir()
+    (image / "pages-1.img").write_bytes(b"x")
+    before = image_hashes(image)
+    with pytest.raises(AssertionError, match="left running"):
+        assert_nothing_restored(env, box.cid, image, before, settle=0.5)
+    (image / "pages-1.img").write_bytes(b"y")
+    with pytest.raises(AssertionError, match="changed the image"):
+        # Nothing of this container (an unknown ID) runs: only the image differs.
+        assert_nothing_restored(env, "gpu-nosuchid", image, before, settle=0.5)
+
+
 def test_the_matrix_covers_every_step_and_kind() -> None:
     """Every step and every fault kind is in the matrix, with at least 40 cases."""
     assert {c.step for c in CASES} == set(CHECKPOINT_STEPS) | set(RESTORE_STEPS)
