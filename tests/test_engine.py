@@ -147,6 +147,27 @@ def test_target_dying_mid_phase_leaves_the_rest_running(make_node) -> None:  # t
     assert_all_running_and_intact(node, engine, [p.pid for p in procs if p.pid != victim], before)
 
 
+def test_a_state_the_driver_cannot_tell_is_still_rolled_back(make_node) -> None:  # type: ignore[no-untyped-def]
+    """get-state fails for one process from the final check on: the rollback
+    takes it the whole way back anyway (left checkpointed, it would stay off
+    its GPU while CRIU resumes it), and reports it unverified, not safe."""
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes  # the states, read just now
+    victim = pids["solo"]
+    node.lab.fault("get-state", pid=victim)  # from here on, for good
+    before = counters(node)
+    with pytest.raises(PhaseError) as err:
+        engine.checkpoint(procs, fresh_states=True)
+    assert not err.value.safe
+    assert "rollback failed" in err.value.result.errors[victim]
+    steps = {s.step for s in err.value.result.timeline.steps if s.pid == victim and s.ok}
+    assert {"rollback-restore", "rollback-unlock"} <= steps
+    node.lab.clear_faults()
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], before)
+
+
 def test_restore_failure_holds_everything_then_a_retry_succeeds(make_node) -> None:  # type: ignore[no-untyped-def]
     node = make_node(driver=580)
     engine = node.engine()

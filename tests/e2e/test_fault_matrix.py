@@ -106,6 +106,9 @@ def _cuda_steps(steps: tuple[str, ...], kinds: tuple[str, ...] = ("error", "hang
 # that could hang (nvidia-smi) has a fixed 30 s deadline, too slow here.
 CASES: list[Case] = [
     *_cuda_steps(("discovery", "lock", "checkpoint", "verify-checkpointed")),
+    # The driver cannot say the victim's state any more, from the final
+    # check on: the rollback must take the whole way back regardless.
+    Case("verify-checkpointed", "error", variant="persistent"),
     Case("lock", "crash", backend="cli"),
     Case("lock", "hang", backend="cli"),
     Case("checkpoint", "crash", backend="cli"),
@@ -269,9 +272,10 @@ EXTERNAL = ("/usr/bin/python3 -c 'import socket,time; s=socket.socket(socket.AF_
 
 def driver_fault(m: Matrix, case: Case, victim: str) -> None:
     action, skip = DRIVER_CALLS[case.step]
-    # One failure at that point: a fault that never clears would also fail
-    # the rollback's own reads and calls, which no rollback survives.
-    rule: dict[str, Any] = {"tag": victim, "skip": skip, "times": 1}
+    # One failure at that point, unless the case says it persists.
+    rule: dict[str, Any] = {"tag": victim, "skip": skip}
+    if case.variant != "persistent":
+        rule["times"] = 1
     if case.kind == "error":
         rule.update(mode="error", code=ERROR_CODES.get(case.step, 999))
     elif case.kind == "hang":
