@@ -248,7 +248,10 @@ def test_unlock_left_to_the_caller(make_node) -> None:  # type: ignore[no-untype
     engine.checkpoint(procs)
     frozen = counters(node)
     res = engine.restore(procs, unlock=False)
-    assert set(res.final.values()) == {"locked"}
+    # Held, as the driver says it, every one of them (alive: a dead one
+    # would answer nothing), and doing no GPU work meanwhile.
+    held = {p.pid: engine.read_state(p.pid) for p in procs}
+    assert held == {p.pid: "locked" for p in procs} and res.final == held
     time.sleep(0.2)
     assert counters(node) == frozen
     engine.unlock(procs)
@@ -482,7 +485,7 @@ def test_locks_go_to_all_processes_at_once_whatever_max_parallel(make_node) -> N
     barrier = threading.Barrier(len(procs), timeout=5)
     _wrap(engine, "lock", lambda pid: barrier.wait())
     res = engine.checkpoint(procs)
-    assert res.ok and set(res.final.values()) == {"checkpointed"}
+    assert res.ok and res.final == {p.pid: "checkpointed" for p in procs}
     # Checkpoints stay capped at max_parallel.
     ckpt = sorted((s.start, s.end) for s in res.timeline.steps if s.step == "checkpoint")
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(ckpt))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -371,13 +372,20 @@ SAYS = {("manifest-write", "disk-full"): "cannot record the checkpoint: [Errno 2
         ("checkpoint", "error"): "out of memory"}
 
 
+def crash_text(case: Case) -> str | None:
+    """What cudahook says of a driver call whose tool or library crashed."""
+    if case.kind != "crash" or case.step not in DRIVER_CALLS:
+        return None
+    return f"exit -{int(signal.SIGSEGV)}" if case.backend == "cli" else "driver helper exited"
+
+
 def _cudahook_refused(case: Case, at_return: list[dict], _later: list[dict],
                       _image: Path) -> None:
     """cudahook itself failed the checkpoint, before CRIU froze anything."""
     errors = [e for e in at_return if e.get("error") and e["event"] in
               ("pre-dump", "checkpoint")]
     assert errors, f"no checkpoint error logged for {case.id}: {at_return}"
-    says = SAYS.get((case.step, case.kind))
+    says = SAYS.get((case.step, case.kind)) or crash_text(case)
     assert says is None or any(says in e["error"] for e in errors), (says, errors)
     assert not any(e["event"] == "checkpoint" and not e.get("error") for e in at_return)
 
@@ -429,8 +437,11 @@ def restore_case(m: Matrix, case: Case) -> None:
     if case.step == "post-restore":
         assert any(e["event"] == "post-restore" and e.get("error") for e in new), new
     else:
-        assert any(e["event"] == "restore" and "container killed" in e.get("error", "")
-                   for e in new), new
+        killed = [e["error"] for e in new
+                  if e["event"] == "restore" and "container killed" in e.get("error", "")]
+        assert killed, new
+        says = crash_text(case)
+        assert says is None or says in killed[0], (says, killed)
     restore_and_check(env, box.cid, box.bundle, box.image, box.tags, box.frozen)
     env.box.delete(box.cid)
 

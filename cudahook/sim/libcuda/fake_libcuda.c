@@ -557,7 +557,8 @@ static CUresult inject_fault(int pid, const char *op) {
     if (strcmp(hit.mode, "segv") == 0) { /* the library itself crashes */
         if (!hit.after)
             raise(SIGSEGV);
-        crash_after = 1;
+        crash_after = 1; /* once the call is carried out: see ask */
+        return CUDA_SUCCESS;
     }
     return (CUresult)hit.code;
 }
