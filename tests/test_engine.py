@@ -77,8 +77,10 @@ def test_round_trip_every_driver(make_node, driver: int) -> None:
     else:
         assert {(p, "toggle") for p in cuda_pids} <= steps
 
-    # Restore-time discovery: checkpointed processes hold no device node.
-    assert find(node, engine, init.pid).pids == []
+    # Checkpointed processes hold no device node, but keep their CUDA
+    # restore thread: discovery still sees them (a checkpoint must not dump
+    # one unawares).
+    assert find(node, engine, init.pid).pids == cuda_pids
     again = find(node, engine, init.pid, require_device_fd=False)
     assert again.pids == cuda_pids
     res = engine.restore(again.processes)
