@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 
 from cudahook.core import manifest
-from cudahook.core.discovery import container_pids
 from cudahook.platform.host import Host
 from cudahook.sim import wire
 
 from .conftest import needs_runc
+from .outcomes import assert_running_and_intact, restore_and_check, workload_pids
 
 pytestmark = needs_runc
 
@@ -58,14 +58,6 @@ def _sim_state(host_pid: int) -> str:
     sock = f"/proc/{host_pid}/root/dev/shm/cuda-sim-{nspid}.sock"
     reply = wire.request(sock, (wire.dumps({"op": "get-state"}) + "\n").encode(), timeout=10)
     return str(wire.loads(reply.decode())["state"])
-
-
-def _cuda_pids(env: Any, cid: str) -> dict[str, int]:
-    """tag -> host PID of the container's workloads."""
-    host = Host()
-    init = env.box.state(cid)["pid"]
-    by_nspid = {host.nspid(p): p for p in container_pids(host, init)[0]}
-    return {t: by_nspid[env.lab.status(t)["pid"]] for t in TAGS}
 
 
 def _fault_hit(env: Any) -> bool:
@@ -141,7 +133,9 @@ def test_action_script_sigkilled_during_pre_dump(make_env, tmp_path, step: str) 
     r = env.box.run(cid, bundle)
     assert r.returncode == 0, r.stderr
     env.wait_running(TAGS, steps=3)
-    pids = _cuda_pids(env, cid)
+    found = workload_pids(env.lab, cid, TAGS)
+    assert all(found.values()), found
+    pids: dict[str, int] = {t: p for t, p in found.items() if p}
     env.lab.fault(call, "hang", tag=VICTIM, times=1, **({"skip": skip} if skip else {}))
 
     done: dict[str, Any] = {}
@@ -177,12 +171,11 @@ def test_action_script_sigkilled_during_pre_dump(make_env, tmp_path, step: str) 
     assert done["r"].returncode != 0  # CRIU aborted: its action script failed
 
     # The runtime lets the container run again: it runs, not frozen, and
-    # every CUDA process is back on its GPU, intact.
-    st = env.box.state(cid)
-    assert st is not None and st["status"] == "running", st
-    after = env.counters(TAGS)
-    env.wait_running(TAGS, after, timeout=60)
-    assert {_sim_state(p) for p in pids.values()} == {"running"}
+    # every CUDA process is back on its GPU, intact (the suite's shared
+    # failed-checkpoint outcome), still the same processes.
+    assert_running_and_intact(env, cid, TAGS)
+    assert workload_pids(env.lab, cid, TAGS) == pids
+    assert not any(Host().is_frozen(p) for p in pids.values())
     assert not (tmp_path / "img" / manifest.NAME).exists()  # the hook died before it
     if step == "discovery":
         # Killed before anything was touched: no guardian was ever armed.
@@ -211,8 +204,7 @@ def test_action_script_sigkilled_during_pre_dump(make_env, tmp_path, step: str) 
     r = env.box.checkpoint(cid, image)
     assert r.returncode == 0, r.stderr
     data = manifest.read(image)
-    assert data is not None and len(data["processes"]) == len(TAGS)
-    frozen = env.frozen(TAGS)
-    r = env.box.restore(cid, bundle, image)
-    assert r.returncode == 0, r.stderr
-    env.wait_running(TAGS, frozen)
+    assert data is not None and sorted(p["pid"] for p in data["processes"]) == sorted(
+        pids.values())
+    frozen = env.frozen(cid, TAGS)
+    restore_and_check(env, cid, bundle, image, TAGS, frozen)
