@@ -85,7 +85,7 @@ class Podman:
     """``podman`` with private storage (see the module docstring)."""
 
     def __init__(self, tmpdir: Path | str, *, ns: NodeNamespace | None = None,
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, hooks_dir: str | None = None):
         self.dir = Path(tmpdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         # podman refuses a runroot longer than 50 characters: a short one in /tmp.
@@ -94,6 +94,7 @@ class Podman:
         for d in (self.root, self.runroot, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
         self.ns = ns
+        self.hooks_dir = hooks_dir
         self.env = criu_path_env(env)
         self.driver = "overlay"
         self.names: set[str] = set()
@@ -102,7 +103,8 @@ class Podman:
         return [PODMAN, "--root", str(self.root), "--runroot", str(self.runroot),
                 "--tmpdir", str(self.tmp), "--cgroup-manager", "cgroupfs",
                 "--events-backend", "file", "--runtime", RUNC,
-                "--storage-driver", self.driver]
+                "--storage-driver", self.driver,
+                *(["--hooks-dir", self.hooks_dir] if self.hooks_dir else [])]
 
     def command(self) -> str:
         """The podman command line with this instance's global options (for
@@ -140,6 +142,20 @@ class Podman:
             self("import", str(tar), name)
         tar.unlink()
         return name
+
+    def save(self, name: str, out: Path) -> Path:
+        """The image as an archive: loaded elsewhere, it keeps its ID (a
+        checkpoint restores only onto the same image, as from a registry)."""
+        self("save", "--format", "oci-archive", "-o", str(out), name)
+        return out
+
+    def load(self, archive: Path) -> None:
+        res = self("load", "-i", str(archive), check=False)
+        if res.returncode != 0:
+            self.overlay_error = res.stderr.strip()
+            self.close_storage()
+            self.driver = "vfs"
+            self("load", "-i", str(archive))
 
     def run(self, name: str, image: str, cmd: Sequence[str], *, env: Sequence[str] = (),
             binds: Sequence[tuple[str, str, bool]] = (), devices: Sequence[tuple[str, str]] = (),
@@ -179,6 +195,6 @@ class Podman:
             with contextlib.suppress(DaemonError):
                 self("rm", "-f", "-t", "0", name, check=False, timeout=60)
         if self.ns is None:
+            # In a node namespace the mounts go with the namespace.
             unmount_under([self.root, self.runroot, self.tmp])
-            shutil.rmtree(self.dir, ignore_errors=True)
-            shutil.rmtree(self.short, ignore_errors=True)
+        shutil.rmtree(self.short, ignore_errors=True)

@@ -1,0 +1,319 @@
+"""`cudahook migrate`: move a GPU container to another node through podman.
+
+    node A:  cudahook migrate checkpoint CONTAINER ARCHIVE
+             (podman container checkpoint --export; ARCHIVE.sha256 beside it)
+    copy ARCHIVE and ARCHIVE.sha256 to node B
+    node B:  cudahook migrate restore ARCHIVE [--name NAME] [--gpus UUID,...]
+             (podman container restore --import, the container moved onto B's GPUs)
+
+The restore decides everything before podman starts, so a refusal leaves
+nothing behind: the archive must match its checksum and read to the end as
+a tar (a copy damaged or cut short in transit is refused, exit 2); the
+checkpoint's manifest must pass this node's restore gate with the GPUs
+chosen here (`restore_gate.plan_restore`, the same decision post-restore
+takes: driver branch, GPU count, model and memory, a driver that can remap;
+exit 6 when this node can never run it). The container's spec then names
+this node's GPUs in NVIDIA_VISIBLE_DEVICES, and the restore's OCI hook and
+post-restore compute the same device map from it. A restore podman (or the
+gate at post-restore) refuses is reported with the reason cudahook wrote
+into CRIU's log, and the half-made container is removed.
+
+Archives are read with the standard tarfile module: podman's `--compress`
+none or gzip (`migrate checkpoint` writes gzip unless told otherwise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import tarfile
+import tempfile
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cudahook.platform.atomic import write_atomic
+from cudahook.platform.errors import CudahookError, Exit, NotRestorableHere, UsageError
+
+MANIFEST = "checkpoint/cudahook-manifest.json"
+SPEC_FILES = ("spec.dump", "config.dump")
+SIDECAR = ".sha256"
+CHUNK = 1 << 20
+#: podman's own work on a large checkpoint (GPU memory copied to the host,
+#: written out, packed) takes minutes: the default deadline is generous.
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+class MigrateFailed(CudahookError):
+    """podman failed the checkpoint or restore; the reason it or cudahook gave."""
+
+    def __init__(self, message: str, code: int = Exit.FAILED):
+        super().__init__(message)
+        self.exit_code = Exit(code)  # type: ignore[misc]
+
+
+# -- the archive ---------------------------------------------------------------
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sidecar(archive: Path) -> Path:
+    return archive.with_name(archive.name + SIDECAR)
+
+
+def verify_checksum(archive: Path) -> str:
+    """The archive's digest, checked against ARCHIVE.sha256 (sha256sum format)."""
+    from cudahook.platform import safeio
+
+    side = sidecar(archive)
+    try:
+        text = safeio.read_bytes(side, 4096).decode(errors="replace")
+    except FileNotFoundError:
+        raise UsageError(f"{side} is missing: the archive cannot be checked "
+                         "(copy it with the archive, or --no-verify)") from None
+    except (OSError, safeio.FileRefused) as exc:
+        raise UsageError(f"{side}: unreadable ({exc})") from None
+    want = text.split()[0].lower() if text.split() else ""
+    if not re.fullmatch(r"[0-9a-f]{64}", want):
+        raise UsageError(f"{side}: not a sha256 checksum")
+    try:
+        got = sha256_of(archive)
+    except OSError as exc:
+        raise UsageError(f"{archive}: unreadable ({exc.strerror})") from None
+    if got != want:
+        raise UsageError(f"{archive} does not match {side.name} (damaged or cut short in "
+                         f"transit): sha256 {got}, expected {want}")
+    return got
+
+
+def unpack(archive: Path, dest: Path) -> None:
+    """Extract the whole archive, refusing anything a podman checkpoint does
+    not hold (links, devices, paths leaving `dest`) and any read error: a
+    truncated or damaged copy fails here, before anything is restored."""
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar:
+                name = member.name
+                if name.startswith("/") or ".." in Path(name).parts:
+                    raise UsageError(f"{archive}: member {name!r} leaves the archive")
+                if not (member.isreg() or member.isdir()):
+                    raise UsageError(f"{archive}: member {name!r} is not a file or directory")
+                tar.extract(member, dest, set_attrs=False)
+    except UsageError:
+        raise
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        raise UsageError(f"{archive}: not a complete checkpoint archive ({exc})") from None
+
+
+def pack(src: Path, archive: Path) -> None:
+    with tarfile.open(archive, "w") as tar:
+        for p in sorted(src.iterdir()):
+            tar.add(p, arcname=p.name)
+
+
+def set_visible(spec: dict[str, Any], gpus: Sequence[str]) -> None:
+    """NVIDIA_VISIBLE_DEVICES in an OCI spec's process environment names `gpus`."""
+    process = spec.setdefault("process", {})
+    env = [e for e in process.get("env") or [] if not e.startswith("NVIDIA_VISIBLE_DEVICES=")]
+    process["env"] = [*env, f"NVIDIA_VISIBLE_DEVICES={','.join(gpus)}"]
+
+
+def retarget(tree: Path, gpus: Sequence[str]) -> None:
+    """The container's spec (podman keeps it twice: spec.dump, and inside
+    config.dump) names this node's GPUs."""
+    for name in SPEC_FILES:
+        path = tree / name
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{name} in the archive is unreadable ({exc})") from None
+        spec = data if name == "spec.dump" else data.get("spec")
+        if not isinstance(spec, dict):
+            raise UsageError(f"{name} in the archive holds no container spec")
+        set_visible(spec, gpus)
+        write_atomic(path, json.dumps(data).encode(), 0o600)
+
+
+# -- this node -----------------------------------------------------------------
+
+
+def choose_gpus(source: Sequence[str], node: Sequence[str], wanted: Sequence[str] | None
+                ) -> list[str]:
+    """The GPUs to restore onto: `wanted`; else the same ones where all are
+    here (a restore on the same node); else the first of this node's."""
+    if wanted:
+        if len(wanted) != len(source):
+            raise UsageError(f"--gpus names {len(wanted)} GPU(s); the checkpoint's processes "
+                             f"used {len(source)}")
+        return list(wanted)
+    if all(u in node for u in source):
+        return list(source)
+    if len(node) < len(source):
+        raise NotRestorableHere(
+            f"the checkpoint's processes used {len(source)} GPU(s); this node has {len(node)}")
+    return list(node[: len(source)])
+
+
+def plan(ctx: Any, data: dict[str, Any], wanted: Sequence[str] | None
+         ) -> tuple[list[str], dict[str, str] | None]:
+    """This node's GPUs for the checkpoint and the device map the restore
+    gate computes for them (or its refusal)."""
+    from cudahook.core.gpus import query_gpus
+    from cudahook.hooks import annotations as ann
+    from cudahook.hooks.restore_gate import plan_restore
+
+    source = [str(u) for u in data.get("gpus") or []]
+    node = [g.uuid for g in query_gpus(ctx.host, ctx.settings)]
+    targets = choose_gpus(source, node, wanted)
+    # The record the OCI hook will write at restore names exactly these.
+    mapping = plan_restore(ctx, {"visible": targets}, ann.Options(), data)
+    return targets, mapping
+
+
+# -- podman --------------------------------------------------------------------
+
+
+def _podman_reason(ctx: Any, res: Any) -> tuple[str, int]:
+    """What failed, in one line: cudahook's own line from the CRIU log podman
+    names (at post-restore: why the gate refused), else podman's last line."""
+    from cudahook.platform import safeio
+
+    said = (res.stderr or "") + (res.stdout or "")
+    code = Exit.FAILED
+    lines: list[str] = []
+    m = re.search(r"log file: (\S+\.log)", said)
+    if m:
+        try:
+            log = safeio.read_bytes(m.group(1), 8 << 20).decode(errors="replace")
+        except (OSError, safeio.FileRefused):
+            log = ""
+        for line in log.splitlines():
+            if "cudahook: " not in line:
+                continue
+            # CRIU runs each action twice; the second call repeats the exit code.
+            earlier = re.search(r"failed earlier in this CRIU run \(exit (\d+)\)", line)
+            if earlier:
+                code = int(earlier.group(1)) or Exit.FAILED
+                continue
+            text = line[line.index("cudahook: ") + len("cudahook: "):].strip()
+            if text not in lines:
+                lines.append(text)
+    if res.timed_out:
+        return f"podman did not finish in time ({' '.join(res.argv[:3])} ...)", Exit.FAILED
+    podman = [x.strip() for x in said.splitlines() if x.strip()]
+    reason = "; ".join(lines) or (podman[0] if podman else f"podman exited {res.returncode}")
+    return reason, code
+
+
+def _run(ctx: Any, podman: Sequence[str], args: Sequence[str], timeout: float) -> Any:
+    if not podman or shutil.which(podman[0]) is None:
+        from cudahook.platform.errors import EnvironmentProblem
+
+        raise EnvironmentProblem(f"podman not found ({podman[0] if podman else ''!r})")
+    return ctx.host.run([*podman, *args], timeout)
+
+
+def checkpoint(ctx: Any, podman: Sequence[str], container: str, archive: Path, *,
+               leave_running: bool = False, compress: str = "gzip",
+               timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Checkpoint `container` into `archive` (and its checksum beside it)."""
+    if archive.exists() or sidecar(archive).exists():
+        raise UsageError(f"{archive} (or its {SIDECAR}) exists already: not overwritten")
+    partial = archive.with_name(archive.name + ".partial")
+    partial.unlink(missing_ok=True)
+    args = ["container", "checkpoint", "--export", str(partial), "--compress", compress]
+    if leave_running:
+        args.append("--leave-running")
+    res = _run(ctx, podman, [*args, container], timeout)
+    if not res.ok:
+        partial.unlink(missing_ok=True)
+        reason, code = _podman_reason(ctx, res)
+        raise MigrateFailed(f"checkpoint of {container} failed: {reason}", code)
+    digest = sha256_of(partial)
+    os.replace(partial, archive)
+    # Written last: an archive with its checksum beside it is complete.
+    write_atomic(sidecar(archive), f"{digest}  {archive.name}\n".encode(), 0o644)
+    data = _archive_manifest(archive)
+    return {"container": container, "archive": str(archive), "sha256": digest,
+            "bytes": archive.stat().st_size, "gpus": (data or {}).get("gpus"),
+            "leave_running": leave_running}
+
+
+def _archive_manifest(archive: Path) -> dict[str, Any] | None:
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            f = tar.extractfile(MANIFEST)
+            return json.loads(f.read()) if f is not None else None
+    except (KeyError, tarfile.TarError, OSError, ValueError, EOFError, zlib.error):
+        return None
+
+
+def _exists(ctx: Any, podman: Sequence[str], name: str) -> bool:
+    return bool(_run(ctx, podman, ["container", "exists", name], 60).returncode == 0)
+
+
+def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None = None,
+            gpus: Sequence[str] | None = None, verify: bool = True,
+            timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Restore the container in `archive` on this node, onto this node's GPUs."""
+    from cudahook.core import manifest
+
+    if not archive.is_file():
+        raise UsageError(f"{archive}: no such archive")
+    digest = verify_checksum(archive) if verify else None
+    work = Path(tempfile.mkdtemp(prefix="cudahook-migrate-"))
+    try:
+        tree = work / "tree"
+        tree.mkdir()
+        unpack(archive, tree)
+        for required in ("checkpoint", *SPEC_FILES):
+            if not (tree / required).exists():
+                raise UsageError(f"{archive}: not a podman checkpoint archive (no {required})")
+        data = manifest.read(tree / "checkpoint")
+        targets: list[str] | None = None
+        mapping = None
+        if data is not None:
+            targets, mapping = plan(ctx, data, gpus)
+            retarget(tree, targets)
+        elif gpus:
+            raise UsageError("--gpus: the checkpoint holds no CUDA state")
+        config = json.loads((tree / "config.dump").read_text())
+        final = name or str(config.get("name") or "")
+        if final and _exists(ctx, podman, final):
+            raise UsageError(f"a container named {final} exists on this node "
+                             "(--name gives the restored one another)")
+        repacked = work / "restore.tar"
+        pack(tree, repacked)
+        shutil.rmtree(tree)
+        args = ["container", "restore", "--import", str(repacked)]
+        if name:
+            args += ["--name", name]
+        res = _run(ctx, podman, args, timeout)
+        if not res.ok:
+            reason, code = _podman_reason(ctx, res)
+            # Nothing half-restored stays: the archive is unchanged, retry freely.
+            if final and _exists(ctx, podman, final):
+                _run(ctx, podman, ["rm", "-f", "-t", "0", final], 120)
+            raise MigrateFailed(f"restore of {archive.name} failed: {reason}", code)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"archive": str(archive), "sha256": digest, "container": final or res.stdout.strip(),
+            "gpus": targets, "source_gpus": (data or {}).get("gpus"), "device_map": mapping}
+
+
+def podman_argv(text: str) -> list[str]:
+    argv = shlex.split(text)
+    if not argv:
+        raise UsageError("--podman: empty command")
+    return argv
