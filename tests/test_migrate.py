@@ -1,0 +1,130 @@
+"""`cudahook migrate`'s decisions that need no podman: the archive's checksum
+and its tar read to the end, the members it may hold, the GPUs chosen on the
+target node, and the spec rewritten to name them. The end-to-end moves are in
+tests/e2e/test_migrate.py."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from cudahook.admin import migrate
+from cudahook.admin.cli import main
+from cudahook.platform.errors import Exit, NotRestorableHere, UsageError
+
+
+def archive(tmp_path: Path, members: dict[str, bytes], *, gz: bool = True) -> Path:
+    path = tmp_path / ("ckpt.tar.gz" if gz else "ckpt.tar")
+    with tarfile.open(path, "w:gz" if gz else "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
+    return path
+
+
+SPEC = {"process": {"env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=GPU-a"]}}
+MEMBERS = {"spec.dump": json.dumps(SPEC).encode(),
+           "config.dump": json.dumps({"name": "c", "spec": SPEC}).encode(),
+           "checkpoint/pages-1.img": b"x" * 100_000}
+
+
+def test_checksum_matches(tmp_path: Path) -> None:
+    a = archive(tmp_path, MEMBERS)
+    assert migrate.verify_checksum(a) == hashlib.sha256(a.read_bytes()).hexdigest()
+
+
+def test_a_changed_byte_or_a_cut_is_refused(tmp_path: Path) -> None:
+    a = archive(tmp_path, MEMBERS)
+    data = bytearray(a.read_bytes())
+    a.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(UsageError, match=r"does not match ckpt\.tar\.gz\.sha256"):
+        migrate.verify_checksum(a)
+
+
+def test_a_missing_or_bogus_checksum_is_refused(tmp_path: Path) -> None:
+    a = archive(tmp_path, MEMBERS)
+    side = a.with_name(a.name + ".sha256")
+    side.write_text("not a digest\n")
+    with pytest.raises(UsageError, match="not a sha256 checksum"):
+        migrate.verify_checksum(a)
+    side.unlink()
+    with pytest.raises(UsageError, match="is missing"):
+        migrate.verify_checksum(a)
+
+
+def test_a_truncated_tar_fails_while_unpacking(tmp_path: Path) -> None:
+    for gz in (True, False):
+        a = archive(tmp_path, MEMBERS, gz=gz)
+        data = a.read_bytes()
+        a.write_bytes(data[: len(data) // 2])
+        dest = tmp_path / f"out-{gz}"
+        dest.mkdir()
+        with pytest.raises(UsageError, match="not a complete checkpoint archive"):
+            migrate.unpack(a, dest)
+
+
+@pytest.mark.parametrize("kind", ["abs", "dotdot", "symlink", "fifo"])
+def test_members_a_checkpoint_never_holds_are_refused(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "bad.tar"
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo({"abs": "/etc/x", "dotdot": "checkpoint/../../x"}.get(kind, "x"))
+        if kind == "symlink":
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/shadow"
+        elif kind == "fifo":
+            info.type = tarfile.FIFOTYPE
+        tar.addfile(info, io.BytesIO(b""))
+    dest = tmp_path / "out"
+    dest.mkdir()
+    with pytest.raises(UsageError, match=r"leaves the archive|not a file or directory"):
+        migrate.unpack(path, dest)
+    assert list(dest.iterdir()) == []
+    assert not (tmp_path / "x").exists()
+
+
+def test_choose_gpus() -> None:
+    a, b, c = "GPU-a", "GPU-b", "GPU-c"
+    assert migrate.choose_gpus([a], [a, b], None) == [a]  # the same node: the same GPUs
+    assert migrate.choose_gpus([a], [b, c], None) == [b]  # another node: its first
+    assert migrate.choose_gpus([a], [b, c], [c]) == [c]
+    with pytest.raises(NotRestorableHere, match=r"used 2 GPU\(s\); this node has 1"):
+        migrate.choose_gpus([a, b], [c], None)
+    with pytest.raises(UsageError, match="names 2 GPU"):
+        migrate.choose_gpus([a], [b, c], [b, c])
+
+
+def test_retarget_rewrites_both_specs(tmp_path: Path) -> None:
+    for name, data in MEMBERS.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    migrate.retarget(tmp_path, ["GPU-x", "GPU-y"])
+    spec = json.loads((tmp_path / "spec.dump").read_text())
+    config = json.loads((tmp_path / "config.dump").read_text())
+    for s in (spec, config["spec"]):
+        env = s["process"]["env"]
+        assert env == ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=GPU-x,GPU-y"]
+    assert config["name"] == "c"
+
+
+def test_cli_refuses_a_damaged_archive_in_one_line(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    a = archive(tmp_path, MEMBERS)
+    a.write_bytes(a.read_bytes()[:-100])
+    rc = main(["migrate", "restore", str(a), "--podman", "/bin/false"])
+    err = capsys.readouterr().err
+    assert rc == Exit.USAGE
+    assert err.count("\n") == 1 and err.startswith("cudahook: ") and "does not match" in err
+
+
+def test_cli_refuses_to_overwrite_an_archive(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    a = archive(tmp_path, MEMBERS)
+    rc = main(["migrate", "checkpoint", "c", str(a), "--podman", "/bin/false"])
+    assert rc == Exit.USAGE and "exists already" in capsys.readouterr().err
