@@ -95,7 +95,8 @@ class Podman:
             d.mkdir(parents=True, exist_ok=True)
         self.ns = ns
         self.hooks_dir = hooks_dir
-        self.env = criu_path_env(env)
+        # Image copies go to TMPDIR (else /var/tmp, outside the suite's overlays).
+        self.env = criu_path_env({"TMPDIR": str(self.tmp), **(env or {})})
         self.driver = "overlay"
         self.names: set[str] = set()
 
