@@ -128,3 +128,21 @@ def test_cli_refuses_to_overwrite_an_archive(tmp_path: Path,
     a = archive(tmp_path, MEMBERS)
     rc = main(["migrate", "checkpoint", "c", str(a), "--podman", "/bin/false"])
     assert rc == Exit.USAGE and "exists already" in capsys.readouterr().err
+
+
+def test_podmans_failure_is_told_with_cudahooks_reason_and_code(tmp_path: Path) -> None:
+    from cudahook.platform.tools import RunResult
+
+    log = tmp_path / "restore.log"
+    log.write_text(
+        "(00.1) Running post-restore scripts\n"
+        "cudahook: post-restore: GPU(s) not present on this node: GPU-x\n"
+        "(00.2) Error (criu/action-scripts.c:135): One of more action scripts failed\n"
+        "cudahook: post-restore: failed earlier in this CRIU run (exit 6); see /var/log/x\n")
+    res = RunResult(("podman",), 125, "", "Error: OCI runtime error: runc: criu failed: "
+                    f"type NOTIFY errno 0\nlog file: {log}\n", 0.1)
+    assert migrate._podman_reason(res) == (
+        "post-restore: GPU(s) not present on this node: GPU-x", Exit.NOT_HERE)
+    # No log, or none of cudahook's lines in it: podman's own first line.
+    res = RunResult(("podman",), 125, "", "Error: no such container c\n", 0.1)
+    assert migrate._podman_reason(res) == ("Error: no such container c", Exit.FAILED)

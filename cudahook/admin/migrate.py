@@ -184,7 +184,7 @@ def plan(ctx: Any, data: dict[str, Any], wanted: Sequence[str] | None
 # -- podman --------------------------------------------------------------------
 
 
-def _podman_reason(ctx: Any, res: Any) -> tuple[str, int]:
+def _podman_reason(res: Any) -> tuple[str, int]:
     """What failed, in one line: cudahook's own line from the CRIU log podman
     names (at post-restore: why the gate refused), else podman's last line."""
     from cudahook.platform import safeio
@@ -238,7 +238,7 @@ def checkpoint(ctx: Any, podman: Sequence[str], container: str, archive: Path, *
     res = _run(ctx, podman, [*args, container], timeout)
     if not res.ok:
         partial.unlink(missing_ok=True)
-        reason, code = _podman_reason(ctx, res)
+        reason, code = _podman_reason(res)
         raise MigrateFailed(f"checkpoint of {container} failed: {reason}", code)
     digest = sha256_of(partial)
     os.replace(partial, archive)
@@ -301,7 +301,7 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
             args += ["--name", name]
         res = _run(ctx, podman, args, timeout)
         if not res.ok:
-            reason, code = _podman_reason(ctx, res)
+            reason, code = _podman_reason(res)
             # Nothing half-restored stays: the archive is unchanged, retry freely.
             if final and _exists(ctx, podman, final):
                 _run(ctx, podman, ["rm", "-f", "-t", "0", final], 120)

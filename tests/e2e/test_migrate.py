@@ -384,3 +384,35 @@ def test_runc_recipe_onto_too_few_gpus_is_refused_before_tasks_run(make_env: Any
     assert b.lab.status("solo").get("counter", frozen["solo"]) == frozen["solo"]
     assert b.events("restore") == []
 
+
+
+def test_a_failed_checkpoint_leaves_the_workload_then_leave_running_clones_it(
+        nodes: Any, tmp_path: Path) -> None:
+    a = nodes("a", seed="node-a")
+    b = nodes("b", seed="node-b")
+    name, tags = a.run(a.lab.uuids[:1], [("mp", {"mib": 2, "procs": 3})])
+    wait_healthy(a.lab, tags, {}, steps=3)
+    archive = tmp_path / "out" / "job.tar.gz"
+    archive.parent.mkdir()
+    a.lab.fault("checkpoint", tag=tags[1], code=2)
+    try:
+        r = a.migrate("checkpoint", name, str(archive))
+    finally:
+        a.lab.clear_faults()
+    assert r.returncode == Exit.FAILED, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "out of memory" in lines[0], r.stderr
+    assert sorted(p.name for p in archive.parent.iterdir()) == []  # no archive, no .partial
+    assert a.podman.state(name) == "running"
+    wait_healthy(a.lab, tags, counters(a.lab, tags))
+
+    # --leave-running: the checkpoint's copy starts on B while A's goes on.
+    r = a.migrate("checkpoint", "--leave-running", name, str(archive))
+    assert r.returncode == 0, r.stdout + r.stderr
+    at_checkpoint = counters(a.lab, tags)
+    r = b.migrate("restore", str(archive), "--name", "clone")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert a.podman.state(name) == "running" and b.podman.state("clone") == "running"
+    wait_healthy(a.lab, tags, counters(a.lab, tags))
+    reports = wait_healthy(b.lab, tags, {t: at_checkpoint[t] - 3 for t in tags})
+    assert {st["gpu"] for st in reports.values()} == {b.lab.uuids[0]}
