@@ -60,15 +60,21 @@ def test_a_missing_or_bogus_checksum_is_refused(tmp_path: Path) -> None:
         migrate.verify_checksum(a)
 
 
-def test_a_truncated_tar_fails_while_unpacking(tmp_path: Path) -> None:
+def test_a_truncated_or_damaged_tar_fails_while_scanning(tmp_path: Path) -> None:
     for gz in (True, False):
         a = archive(tmp_path, MEMBERS, gz=gz)
+        assert set(migrate.scan(a)) == {"spec.dump", "config.dump"}
         data = a.read_bytes()
         a.write_bytes(data[: len(data) // 2])
-        dest = tmp_path / f"out-{gz}"
-        dest.mkdir()
         with pytest.raises(UsageError, match="not a complete checkpoint archive"):
-            migrate.unpack(a, dest)
+            migrate.scan(a)
+    # A changed byte inside a gzip stream: its checksum, read at the end.
+    a = archive(tmp_path, MEMBERS)
+    data = bytearray(a.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    a.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match="not a complete checkpoint archive"):
+        migrate.scan(a)
 
 
 @pytest.mark.parametrize("kind", ["abs", "dotdot", "symlink", "fifo"])
@@ -81,12 +87,10 @@ def test_members_a_checkpoint_never_holds_are_refused(tmp_path: Path, kind: str)
         elif kind == "fifo":
             info.type = tarfile.FIFOTYPE
         tar.addfile(info, io.BytesIO(b""))
-    dest = tmp_path / "out"
-    dest.mkdir()
     with pytest.raises(UsageError, match=r"leaves the archive|not a file or directory"):
-        migrate.unpack(path, dest)
-    assert list(dest.iterdir()) == []
-    assert not (tmp_path / "x").exists()
+        migrate.scan(path)
+    with pytest.raises(UsageError, match=r"leaves the archive|not a file or directory"):
+        migrate.copy_with(path, tmp_path / "copy.tar", {})
 
 
 def test_choose_gpus() -> None:
@@ -100,13 +104,14 @@ def test_choose_gpus() -> None:
         migrate.choose_gpus([a], [b, c], [b, c])
 
 
-def test_retarget_rewrites_both_specs(tmp_path: Path) -> None:
-    for name, data in MEMBERS.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_bytes(data)
-    migrate.retarget(tmp_path, ["GPU-x", "GPU-y"])
-    spec = json.loads((tmp_path / "spec.dump").read_text())
-    config = json.loads((tmp_path / "config.dump").read_text())
+def test_the_copy_names_the_new_gpus_and_keeps_the_rest(tmp_path: Path) -> None:
+    a = archive(tmp_path, MEMBERS)
+    copy = tmp_path / "copy.tar"
+    migrate.copy_with(a, copy, migrate.retarget(migrate.scan(a), ["GPU-x", "GPU-y"]))
+    with tarfile.open(copy) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar}  # type: ignore[union-attr]
+    assert got["checkpoint/pages-1.img"] == MEMBERS["checkpoint/pages-1.img"]
+    spec, config = json.loads(got["spec.dump"]), json.loads(got["config.dump"])
     for s in (spec, config["spec"]):
         env = s["process"]["env"]
         assert env == ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=GPU-x,GPU-y"]
@@ -146,3 +151,20 @@ def test_podmans_failure_is_told_with_cudahooks_reason_and_code(tmp_path: Path) 
     # No log, or none of cudahook's lines in it: podman's own first line.
     res = RunResult(("podman",), 125, "", "Error: no such container c\n", 0.1)
     assert migrate._podman_reason(res) == ("Error: no such container c", Exit.FAILED)
+
+
+def test_a_gzip_stream_whose_data_changed_fails_its_crc(tmp_path: Path) -> None:
+    """Changed bytes that still inflate: only gzip's CRC, at the stream's end, tells."""
+    import gzip
+
+    a = archive(tmp_path, MEMBERS, gz=False)
+    raw = bytearray(a.read_bytes())
+    i = raw.index(b"x" * 100)
+    raw[i] = ord("y")
+    good = gzip.compress(a.read_bytes(), mtime=0)
+    bad = bytearray(gzip.compress(bytes(raw), mtime=0))
+    bad[-8:-4] = good[-8:-4]  # the intact stream's CRC: the data no longer matches it
+    path = tmp_path / "bad.tar.gz"
+    path.write_bytes(bytes(bad))
+    with pytest.raises(UsageError, match="not a complete checkpoint archive"):
+        migrate.scan(path)

@@ -8,13 +8,15 @@
 
 The restore decides everything before podman starts, so a refusal leaves
 nothing behind: the archive must match its checksum and read to the end as
-a tar (a copy damaged or cut short in transit is refused, exit 2); the
+a tar, every member's data included (a copy damaged or cut short in transit
+is refused, exit 2); the
 checkpoint's manifest must pass this node's restore gate with the GPUs
 chosen here (`restore_gate.plan_restore`, the same decision post-restore
 takes: driver branch, GPU count, model and memory, a driver that can remap;
 exit 6 when this node can never run it). The container's spec then names
-this node's GPUs in NVIDIA_VISIBLE_DEVICES, and the restore's OCI hook and
-post-restore compute the same device map from it. A restore podman (or the
+this node's GPUs in NVIDIA_VISIBLE_DEVICES (in a copy of the archive, in
+$TMPDIR or --work-dir: as large as the archive uncompressed), and the
+restore's OCI hook and post-restore compute the same device map from it. A restore podman (or the
 gate at post-restore) refuses is reported with the reason cudahook wrote
 into CRIU's log, and the half-made container is removed.
 
@@ -24,7 +26,10 @@ none or gzip (`migrate checkpoint` writes gzip unless told otherwise).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -33,12 +38,18 @@ import shutil
 import tarfile
 import tempfile
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from cudahook.platform.atomic import write_atomic
-from cudahook.platform.errors import CudahookError, Exit, NotRestorableHere, UsageError
+from cudahook.platform.errors import (
+    CudahookError,
+    EnvironmentProblem,
+    Exit,
+    NotRestorableHere,
+    UsageError,
+)
 
 MANIFEST = "checkpoint/cudahook-manifest.json"
 SPEC_FILES = ("spec.dump", "config.dump")
@@ -97,29 +108,76 @@ def verify_checksum(archive: Path) -> str:
     return got
 
 
-def unpack(archive: Path, dest: Path) -> None:
-    """Extract the whole archive, refusing anything a podman checkpoint does
-    not hold (links, devices, paths leaving `dest`) and any read error: a
-    truncated or damaged copy fails here, before anything is restored."""
+#: Members read into memory: the container's spec (twice) and the manifest.
+SMALL = {*SPEC_FILES, MANIFEST}
+SMALL_LIMIT = 64 << 20
+
+
+def _members(tar: tarfile.TarFile, archive: Path) -> Iterator[tarfile.TarInfo]:
+    """The archive's members, refusing anything a podman checkpoint does not
+    hold (links, devices, paths leaving the archive)."""
+    for member in tar:
+        name = member.name.removeprefix("./")
+        if name.startswith("/") or ".." in Path(name).parts:
+            raise UsageError(f"{archive}: member {member.name!r} leaves the archive")
+        if not (member.isreg() or member.isdir()):
+            raise UsageError(f"{archive}: member {member.name!r} is not a file or directory")
+        yield member
+
+
+@contextlib.contextmanager
+def _reading(archive: Path) -> Iterator[None]:
+    """Read errors of a damaged or truncated archive, as one clean refusal."""
     try:
-        with tarfile.open(archive, "r:*") as tar:
-            for member in tar:
-                name = member.name
-                if name.startswith("/") or ".." in Path(name).parts:
-                    raise UsageError(f"{archive}: member {name!r} leaves the archive")
-                if not (member.isreg() or member.isdir()):
-                    raise UsageError(f"{archive}: member {name!r} is not a file or directory")
-                tar.extract(member, dest, set_attrs=False)
-    except UsageError:
-        raise
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise EnvironmentProblem(f"cannot write the restore's copy of {archive.name}: "
+                                     f"{exc.strerror}") from None
+        raise UsageError(f"{archive}: not a complete checkpoint archive ({exc})") from None
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
         raise UsageError(f"{archive}: not a complete checkpoint archive ({exc})") from None
 
 
-def pack(src: Path, archive: Path) -> None:
-    with tarfile.open(archive, "w") as tar:
-        for p in sorted(src.iterdir()):
-            tar.add(p, arcname=p.name)
+def scan(archive: Path) -> dict[str, bytes]:
+    """Read the whole archive (every member's data: a gzip stream's checksum
+    is checked at its end), refusing what a checkpoint never holds and any
+    read error - a copy damaged or cut short fails here, before anything is
+    restored. Returns the small members cudahook reads."""
+    small: dict[str, bytes] = {}
+    with _reading(archive), tarfile.open(archive, "r:*") as tar:
+        for member in _members(tar, archive):
+            if not member.isreg():
+                continue
+            f = tar.extractfile(member)
+            assert f is not None
+            name = member.name.removeprefix("./")
+            if name in SMALL:
+                if member.size > SMALL_LIMIT:
+                    raise UsageError(f"{archive}: {name} is {member.size} bytes, past "
+                                     f"{SMALL_LIMIT}")
+                small[name] = f.read()
+            else:
+                while f.read(CHUNK):
+                    pass
+        # To the end of the stream: gzip checks its CRC only there.
+        assert tar.fileobj is not None
+        while tar.fileobj.read(CHUNK):
+            pass
+    return small
+
+
+def copy_with(archive: Path, out: Path, replace: dict[str, bytes]) -> None:
+    """`archive` copied member by member into the uncompressed tar `out`,
+    the members named in `replace` with new contents."""
+    with _reading(archive), tarfile.open(archive, "r:*") as src, tarfile.open(out, "w") as dst:
+        for member in _members(src, archive):
+            name = member.name.removeprefix("./")
+            if member.isreg() and name in replace:
+                member.size = len(replace[name])
+                dst.addfile(member, io.BytesIO(replace[name]))
+            else:
+                dst.addfile(member, src.extractfile(member) if member.isreg() else None)
 
 
 def set_visible(spec: dict[str, Any], gpus: Sequence[str]) -> None:
@@ -129,20 +187,21 @@ def set_visible(spec: dict[str, Any], gpus: Sequence[str]) -> None:
     process["env"] = [*env, f"NVIDIA_VISIBLE_DEVICES={','.join(gpus)}"]
 
 
-def retarget(tree: Path, gpus: Sequence[str]) -> None:
-    """The container's spec (podman keeps it twice: spec.dump, and inside
-    config.dump) names this node's GPUs."""
+def retarget(small: dict[str, bytes], gpus: Sequence[str]) -> dict[str, bytes]:
+    """The container's spec, which podman keeps twice (spec.dump, and inside
+    config.dump), naming this node's GPUs: the new contents of both."""
+    out = {}
     for name in SPEC_FILES:
-        path = tree / name
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
+            data = json.loads(small[name])
+        except (KeyError, ValueError) as exc:
             raise UsageError(f"{name} in the archive is unreadable ({exc})") from None
-        spec = data if name == "spec.dump" else data.get("spec")
+        spec = data if name == "spec.dump" else data.get("spec") if isinstance(data, dict) else None
         if not isinstance(spec, dict):
             raise UsageError(f"{name} in the archive holds no container spec")
         set_visible(spec, gpus)
-        write_atomic(path, json.dumps(data).encode(), 0o600)
+        out[name] = json.dumps(data).encode()
+    return out
 
 
 # -- this node -----------------------------------------------------------------
@@ -218,8 +277,6 @@ def _podman_reason(res: Any) -> tuple[str, int]:
 
 def _run(ctx: Any, podman: Sequence[str], args: Sequence[str], timeout: float) -> Any:
     if not podman or shutil.which(podman[0]) is None:
-        from cudahook.platform.errors import EnvironmentProblem
-
         raise EnvironmentProblem(f"podman not found ({podman[0] if podman else ''!r})")
     return ctx.host.run([*podman, *args], timeout)
 
@@ -244,19 +301,27 @@ def checkpoint(ctx: Any, podman: Sequence[str], container: str, archive: Path, *
     os.replace(partial, archive)
     # Written last: an archive with its checksum beside it is complete.
     write_atomic(sidecar(archive), f"{digest}  {archive.name}\n".encode(), 0o644)
-    data = _archive_manifest(archive)
+    try:
+        data = _manifest(scan(archive))
+    except CudahookError:
+        data = None
     return {"container": container, "archive": str(archive), "sha256": digest,
             "bytes": archive.stat().st_size, "gpus": (data or {}).get("gpus"),
             "leave_running": leave_running}
 
 
-def _archive_manifest(archive: Path) -> dict[str, Any] | None:
-    try:
-        with tarfile.open(archive, "r:*") as tar:
-            f = tar.extractfile(MANIFEST)
-            return json.loads(f.read()) if f is not None else None
-    except (KeyError, tarfile.TarError, OSError, ValueError, EOFError, zlib.error):
+def _manifest(small: dict[str, bytes]) -> dict[str, Any] | None:
+    """The checkpoint's manifest, read and checked as the restore gate reads
+    it (None: the checkpoint holds no CUDA state)."""
+    from cudahook.core import manifest
+
+    if MANIFEST not in small:
         return None
+    with tempfile.TemporaryDirectory(prefix="cudahook-manifest-") as d:
+        path = Path(d, MANIFEST)
+        path.parent.mkdir()
+        path.write_bytes(small[MANIFEST])
+        return manifest.read(path.parent)
 
 
 def _exists(ctx: Any, podman: Sequence[str], name: str) -> bool:
@@ -265,38 +330,38 @@ def _exists(ctx: Any, podman: Sequence[str], name: str) -> bool:
 
 def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None = None,
             gpus: Sequence[str] | None = None, verify: bool = True,
-            timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+            timeout: float = DEFAULT_TIMEOUT_S, work_dir: str | None = None) -> dict[str, Any]:
     """Restore the container in `archive` on this node, onto this node's GPUs."""
-    from cudahook.core import manifest
-
     if not archive.is_file():
         raise UsageError(f"{archive}: no such archive")
     digest = verify_checksum(archive) if verify else None
-    work = Path(tempfile.mkdtemp(prefix="cudahook-migrate-"))
+    small = scan(archive)
+    for required in SPEC_FILES:
+        if required not in small:
+            raise UsageError(f"{archive}: not a podman checkpoint archive (no {required})")
+    data = _manifest(small)
+    targets: list[str] | None = None
+    mapping = None
+    if data is not None:
+        targets, mapping = plan(ctx, data, gpus)
+    elif gpus:
+        raise UsageError("--gpus: the checkpoint holds no CUDA state")
     try:
-        tree = work / "tree"
-        tree.mkdir()
-        unpack(archive, tree)
-        for required in ("checkpoint", *SPEC_FILES):
-            if not (tree / required).exists():
-                raise UsageError(f"{archive}: not a podman checkpoint archive (no {required})")
-        data = manifest.read(tree / "checkpoint")
-        targets: list[str] | None = None
-        mapping = None
-        if data is not None:
-            targets, mapping = plan(ctx, data, gpus)
-            retarget(tree, targets)
-        elif gpus:
-            raise UsageError("--gpus: the checkpoint holds no CUDA state")
-        config = json.loads((tree / "config.dump").read_text())
+        config = json.loads(small["config.dump"])
         final = name or str(config.get("name") or "")
-        if final and _exists(ctx, podman, final):
-            raise UsageError(f"a container named {final} exists on this node "
-                             "(--name gives the restored one another)")
-        repacked = work / "restore.tar"
-        pack(tree, repacked)
-        shutil.rmtree(tree)
-        args = ["container", "restore", "--import", str(repacked)]
+    except (ValueError, AttributeError):
+        raise UsageError("config.dump in the archive is unreadable") from None
+    if final and _exists(ctx, podman, final):
+        raise UsageError(f"a container named {final} exists on this node "
+                         "(--name gives the restored one another)")
+    work = Path(tempfile.mkdtemp(prefix="cudahook-migrate-", dir=work_dir))
+    try:
+        source = archive
+        if targets is not None:
+            # A copy whose spec names this node's GPUs: the archive stays as it came.
+            source = work / "restore.tar"
+            copy_with(archive, source, retarget(small, targets))
+        args = ["container", "restore", "--import", str(source)]
         if name:
             args += ["--name", name]
         res = _run(ctx, podman, args, timeout)
