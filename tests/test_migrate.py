@@ -168,3 +168,19 @@ def test_a_gzip_stream_whose_data_changed_fails_its_crc(tmp_path: Path) -> None:
     path.write_bytes(bytes(bad))
     with pytest.raises(UsageError, match="not a complete checkpoint archive"):
         migrate.scan(path)
+
+
+def test_the_spec_names_the_new_gpus_everywhere_the_hook_looks() -> None:
+    from cudahook.hooks.gpu_request import visible_devices
+
+    spec = {"process": {"env": ["A=1", "NVIDIA_VISIBLE_DEVICES=GPU-a"]},
+            "annotations": {"cudahook.io/device-map": "GPU-a=GPU-q",
+                            "cdi.k8s.io/x": "vendor.com/nic=eth1,nvidia.com/gpu=GPU-a",
+                            "cdi.k8s.io/y": "nvidia.com/gpu=GPU-b",
+                            "other": "kept"}}
+    migrate.set_visible(spec, ["GPU-x", "GPU-y"])
+    notes = spec["annotations"]
+    assert notes == {"cdi.k8s.io/x": "vendor.com/nic=eth1,nvidia.com/gpu=GPU-x,nvidia.com/gpu=GPU-y",
+                     "other": "kept"}
+    assert spec["process"]["env"] == ["A=1", "NVIDIA_VISIBLE_DEVICES=GPU-x,GPU-y"]
+    assert visible_devices([], notes, []) == ["GPU-x", "GPU-y"]  # CDI alone says the same

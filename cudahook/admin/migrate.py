@@ -181,10 +181,33 @@ def copy_with(archive: Path, out: Path, replace: dict[str, bytes]) -> None:
 
 
 def set_visible(spec: dict[str, Any], gpus: Sequence[str]) -> None:
-    """NVIDIA_VISIBLE_DEVICES in an OCI spec's process environment names `gpus`."""
+    """An OCI spec names `gpus` as its GPUs: NVIDIA_VISIBLE_DEVICES (which the
+    OCI hook reads first), the nvidia.com/gpu devices of its CDI annotations,
+    and no `cudahook.io/device-map` (a map between the old node's GPUs: the
+    restore gate computes this node's from the GPUs named here)."""
     process = spec.setdefault("process", {})
     env = [e for e in process.get("env") or [] if not e.startswith("NVIDIA_VISIBLE_DEVICES=")]
     process["env"] = [*env, f"NVIDIA_VISIBLE_DEVICES={','.join(gpus)}"]
+    notes = spec.get("annotations")
+    if not isinstance(notes, dict):
+        return
+    notes.pop("cudahook.io/device-map", None)
+    ours = [f"nvidia.com/gpu={u}" for u in gpus]
+    for key in sorted(k for k in notes if k.startswith("cdi.k8s.io/")):
+        kept, nvidia, kind = [], False, ""
+        for item in (x.strip() for x in str(notes[key]).split(",")):
+            if "=" in item:
+                kind = item.partition("=")[0].strip()
+            if kind == "nvidia.com/gpu":
+                nvidia = True
+            elif item:
+                kept.append(item)
+        if nvidia:
+            kept, ours = kept + ours, []  # this node's GPUs, once
+            if kept:
+                notes[key] = ",".join(kept)
+            else:
+                del notes[key]
 
 
 def retarget(small: dict[str, bytes], gpus: Sequence[str]) -> dict[str, bytes]:
