@@ -90,7 +90,7 @@ def test_members_a_checkpoint_never_holds_are_refused(tmp_path: Path, kind: str)
     with pytest.raises(UsageError, match=r"leaves the archive|not a file or directory"):
         migrate.scan(path)
     with pytest.raises(UsageError, match=r"leaves the archive|not a file or directory"):
-        migrate.copy_with(path, tmp_path / "copy.tar", {})
+        migrate.scan(path, copy_to=tmp_path / "copy.tar")
 
 
 def test_choose_gpus() -> None:
@@ -107,7 +107,8 @@ def test_choose_gpus() -> None:
 def test_the_copy_names_the_new_gpus_and_keeps_the_rest(tmp_path: Path) -> None:
     a = archive(tmp_path, MEMBERS)
     copy = tmp_path / "copy.tar"
-    migrate.copy_with(a, copy, migrate.retarget(migrate.scan(a), ["GPU-x", "GPU-y"]))
+    small = migrate.scan(a, copy_to=copy)
+    migrate.finish_copy(copy, migrate.retarget(small, ["GPU-x", "GPU-y"]))
     with tarfile.open(copy) as tar:
         got = {m.name: tar.extractfile(m).read() for m in tar}  # type: ignore[union-attr]
     assert got["checkpoint/pages-1.img"] == MEMBERS["checkpoint/pages-1.img"]
@@ -184,3 +185,10 @@ def test_the_spec_names_the_new_gpus_everywhere_the_hook_looks() -> None:
                      "other": "kept"}
     assert spec["process"]["env"] == ["A=1", "NVIDIA_VISIBLE_DEVICES=GPU-x,GPU-y"]
     assert visible_devices([], notes, []) == ["GPU-x", "GPU-y"]  # CDI alone says the same
+
+
+def test_a_missing_work_dir_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = archive(tmp_path, MEMBERS)
+    rc = main(["migrate", "restore", str(a), "--work-dir", str(tmp_path / "nope"),
+               "--podman", "/bin/false"])
+    assert rc == Exit.ENVIRONMENT and "cannot make a work directory" in capsys.readouterr().err

@@ -37,6 +37,7 @@ import shlex
 import shutil
 import tarfile
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -139,24 +140,35 @@ def _reading(archive: Path) -> Iterator[None]:
         raise UsageError(f"{archive}: not a complete checkpoint archive ({exc})") from None
 
 
-def scan(archive: Path) -> dict[str, bytes]:
+def scan(archive: Path, copy_to: Path | None = None) -> dict[str, bytes]:
     """Read the whole archive (every member's data: a gzip stream's checksum
     is checked at its end), refusing what a checkpoint never holds and any
     read error - a copy damaged or cut short fails here, before anything is
-    restored. Returns the small members cudahook reads."""
+    restored. Returns the small members cudahook reads. With `copy_to`, the
+    same pass copies every member but the spec files into that uncompressed
+    tar (one read of a large archive, not two); `finish_copy` adds those."""
     small: dict[str, bytes] = {}
-    with _reading(archive), tarfile.open(archive, "r:*") as tar:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_reading(archive))
+        tar = stack.enter_context(tarfile.open(archive, "r:*"))
+        dst = stack.enter_context(tarfile.open(copy_to, "w")) if copy_to else None
         for member in _members(tar, archive):
+            name = member.name.removeprefix("./")
             if not member.isreg():
+                if dst is not None:
+                    dst.addfile(member)
                 continue
             f = tar.extractfile(member)
             assert f is not None
-            name = member.name.removeprefix("./")
             if name in SMALL:
                 if member.size > SMALL_LIMIT:
                     raise UsageError(f"{archive}: {name} is {member.size} bytes, past "
                                      f"{SMALL_LIMIT}")
                 small[name] = f.read()
+                if dst is not None and name not in SPEC_FILES:
+                    dst.addfile(member, io.BytesIO(small[name]))
+            elif dst is not None:
+                dst.addfile(member, f)
             else:
                 while f.read(CHUNK):
                     pass
@@ -167,17 +179,13 @@ def scan(archive: Path) -> dict[str, bytes]:
     return small
 
 
-def copy_with(archive: Path, out: Path, replace: dict[str, bytes]) -> None:
-    """`archive` copied member by member into the uncompressed tar `out`,
-    the members named in `replace` with new contents."""
-    with _reading(archive), tarfile.open(archive, "r:*") as src, tarfile.open(out, "w") as dst:
-        for member in _members(src, archive):
-            name = member.name.removeprefix("./")
-            if member.isreg() and name in replace:
-                member.size = len(replace[name])
-                dst.addfile(member, io.BytesIO(replace[name]))
-            else:
-                dst.addfile(member, src.extractfile(member) if member.isreg() else None)
+def finish_copy(copy: Path, specs: dict[str, bytes]) -> None:
+    """Add the container's spec files to the copy `scan` made."""
+    with tarfile.open(copy, "a") as dst:
+        for name, data in specs.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
+            dst.addfile(info, io.BytesIO(data))
 
 
 def set_visible(spec: dict[str, Any], gpus: Sequence[str]) -> None:
@@ -358,33 +366,36 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
     if not archive.is_file():
         raise UsageError(f"{archive}: no such archive")
     digest = verify_checksum(archive) if verify else None
-    small = scan(archive)
-    for required in SPEC_FILES:
-        if required not in small:
-            raise UsageError(f"{archive}: not a podman checkpoint archive (no {required})")
-    data = _manifest(small)
-    targets: list[str] | None = None
-    mapping = None
-    if data is not None:
-        targets, mapping = plan(ctx, data, gpus)
-    elif gpus:
-        raise UsageError("--gpus: the checkpoint holds no CUDA state")
     try:
-        config = json.loads(small["config.dump"])
-        final = name or str(config.get("name") or "")
-    except (ValueError, AttributeError):
-        raise UsageError("config.dump in the archive is unreadable") from None
-    if final and _exists(ctx, podman, final):
-        raise UsageError(f"a container named {final} exists on this node "
-                         "(--name gives the restored one another)")
-    work = Path(tempfile.mkdtemp(prefix="cudahook-migrate-", dir=work_dir))
+        work = Path(tempfile.mkdtemp(prefix="cudahook-migrate-", dir=work_dir))
+    except OSError as exc:
+        raise EnvironmentProblem(f"cannot make a work directory in {work_dir or tempfile.gettempdir()}: "
+                                 f"{exc.strerror}") from None
     try:
-        source = archive
-        if targets is not None:
-            # A copy whose spec names this node's GPUs: the archive stays as it came.
-            source = work / "restore.tar"
-            copy_with(archive, source, retarget(small, targets))
-        args = ["container", "restore", "--import", str(source)]
+        copy = work / "restore.tar"
+        small = scan(archive, copy_to=copy)
+        for required in SPEC_FILES:
+            if required not in small:
+                raise UsageError(f"{archive}: not a podman checkpoint archive (no {required})")
+        data = _manifest(small)
+        targets: list[str] | None = None
+        mapping = None
+        if data is not None:
+            targets, mapping = plan(ctx, data, gpus)
+        elif gpus:
+            raise UsageError("--gpus: the checkpoint holds no CUDA state")
+        try:
+            config = json.loads(small["config.dump"])
+            final = name or str(config.get("name") or "")
+        except (ValueError, AttributeError):
+            raise UsageError("config.dump in the archive is unreadable") from None
+        if final and _exists(ctx, podman, final):
+            raise UsageError(f"a container named {final} exists on this node "
+                             "(--name gives the restored one another)")
+        # The copy's spec names this node's GPUs: the archive stays as it came.
+        finish_copy(copy, retarget(small, targets) if targets is not None
+                    else {k: small[k] for k in SPEC_FILES})
+        args = ["container", "restore", "--import", str(copy)]
         if name:
             args += ["--name", name]
         res = _run(ctx, podman, args, timeout)
