@@ -102,6 +102,8 @@ def test_choose_gpus() -> None:
         migrate.choose_gpus([a, b], [c], None)
     with pytest.raises(UsageError, match="names 2 GPU"):
         migrate.choose_gpus([a], [b, c], [b, c])
+    with pytest.raises(UsageError, match="this node has no GPU GPU-z"):
+        migrate.choose_gpus([a], [b, c], ["GPU-z"])
 
 
 def test_the_copy_names_the_new_gpus_and_keeps_the_rest(tmp_path: Path) -> None:

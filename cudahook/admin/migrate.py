@@ -246,6 +246,9 @@ def choose_gpus(source: Sequence[str], node: Sequence[str], wanted: Sequence[str
         if len(wanted) != len(source):
             raise UsageError(f"--gpus names {len(wanted)} GPU(s); the checkpoint's processes "
                              f"used {len(source)}")
+        missing = [u for u in wanted if u not in node]
+        if missing:
+            raise UsageError(f"--gpus: this node has no GPU {', '.join(missing)}")
         return list(wanted)
     if all(u in node for u in source):
         return list(source)

@@ -279,21 +279,46 @@ def test_fewer_gpus_on_the_target_is_refused_with_exit_6(nodes: Any, tmp_path: P
     assert "running" not in b.podman("ps", "-a", "--format", "{{.State}}").stdout
 
 
-def test_another_driver_branch_is_refused(nodes: Any, tmp_path: Path) -> None:
-    a = nodes("a", seed="node-a", driver=580)
-    b = nodes("b", seed="node-b", driver=570)
-    _, _, archive, _ = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit")
+A100 = [{"name": "NVIDIA A100-SXM4-80GB (simulated)"}] * 2
+SMALLER = [{"memory_mib": 40960}] * 2
+REFUSALS = {
+    # case: (node A's driver, node B's driver, B's GPUs, what the refusal says)
+    "driver-branch": (580, 570, None, "restore needs the same driver branch"),
+    "gpu-model": (580, 580, A100, "A100"),
+    "gpu-memory": (580, 580, SMALLER, "40960"),
+    "remap-below-r580": (570, 570, None, "has no --device-map"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_node_that_cannot_run_the_image_is_refused_with_exit_6(nodes: Any, tmp_path: Path,
+                                                                  case: str) -> None:
+    driver_a, driver_b, specs_b, reason = REFUSALS[case]
+    a = nodes("a", seed="node-a", driver=driver_a)
+    b = nodes("b", seed="node-b", driver=driver_b, gpu_specs=specs_b)
+    _, tags, archive, frozen = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit")
     r = b.migrate("restore", str(archive))
-    assert_refused_cleanly(b, r, Exit.NOT_HERE, "restore needs the same driver branch")
+    assert_refused_cleanly(b, r, Exit.NOT_HERE, reason)
+    assert counters(b.lab, tags) == {t: 0 for t in tags}
+    # Node A, on its own GPUs, restores the same archive.
+    r = a.migrate("restore", str(archive), "--name", "back")
+    assert r.returncode == 0, r.stdout + r.stderr
+    wait_healthy(a.lab, tags, frozen)
 
 
-def test_another_gpu_model_is_refused(nodes: Any, tmp_path: Path) -> None:
+def test_gpus_chosen_on_the_same_node(nodes: Any, tmp_path: Path) -> None:
+    """--gpus picks the target GPUs; on the node the checkpoint came from,
+    another GPU than the one it ran on."""
     a = nodes("a", seed="node-a")
-    b = nodes("b", seed="node-b", gpu_specs=[{"name": "NVIDIA A100-SXM4-80GB (simulated)"}] * 2)
-    _, _, archive, _ = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit")
-    r = b.migrate("restore", str(archive))
-    assert_refused_cleanly(b, r, Exit.NOT_HERE, "A100")
-    assert H100 in r.stderr
+    first, second = a.lab.uuids
+    _, tags, archive, frozen = checkpoint_on(a, [first], tmp_path / "transit")
+    r = a.migrate("restore", str(archive), "--name", "moved", "--gpus", second, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["device_map"] == {first: second}
+    reports = wait_healthy(a.lab, tags, frozen)
+    assert {st["gpu"] for st in reports.values()} == {second}
+    r = a.migrate("restore", str(archive), "--name", "again", "--gpus", "GPU-nope")
+    assert r.returncode == Exit.USAGE and "this node has no GPU GPU-nope" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "truncated-unverified"])
