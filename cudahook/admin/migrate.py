@@ -335,10 +335,7 @@ def checkpoint(ctx: Any, podman: Sequence[str], container: str, archive: Path, *
     os.replace(partial, archive)
     # Written last: an archive with its checksum beside it is complete.
     write_atomic(sidecar(archive), f"{digest}  {archive.name}\n".encode(), 0o644)
-    try:
-        data = _manifest(scan(archive))
-    except CudahookError:
-        data = None
+    data = _peek_manifest(archive)
     return {"container": container, "archive": str(archive), "sha256": digest,
             "bytes": archive.stat().st_size, "gpus": (data or {}).get("gpus"),
             "leave_running": leave_running}
@@ -356,6 +353,20 @@ def _manifest(small: dict[str, bytes]) -> dict[str, Any] | None:
         path.parent.mkdir()
         path.write_bytes(small[MANIFEST])
         return manifest.read(path.parent)
+
+
+def _peek_manifest(archive: Path) -> dict[str, Any] | None:
+    """The manifest of an archive just written, for the report: read up to it
+    only (podman writes members in name order: it comes before the pages)."""
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar:
+                if member.name.removeprefix("./") == MANIFEST and member.isreg():
+                    f = tar.extractfile(member)
+                    return _manifest({MANIFEST: f.read(SMALL_LIMIT)}) if f else None
+    except (CudahookError, tarfile.TarError, OSError, EOFError, zlib.error):
+        pass
+    return None
 
 
 def _exists(ctx: Any, podman: Sequence[str], name: str) -> bool:

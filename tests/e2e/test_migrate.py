@@ -213,8 +213,13 @@ def checkpoint_on(node: SimNode, visible: list[str], transit: Path,
     wait_healthy(node.lab, tags, {}, steps=3)
     archive = node.dir / "out" / f"{name}.tar.gz"
     archive.parent.mkdir(exist_ok=True)
-    r = node.migrate("checkpoint", name, str(archive))
+    r = node.migrate("checkpoint", name, str(archive), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["gpus"] == visible and out["bytes"] == archive.stat().st_size
+    assert hashlib.sha256(archive.read_bytes()).hexdigest() == out["sha256"]
+    assert archive.with_name(archive.name + ".sha256").read_text() == \
+        f"{out['sha256']}  {archive.name}\n"
     assert node.podman.state(name) == "exited"
     frozen = counters(node.lab, tags)
     transit.mkdir(exist_ok=True)
