@@ -9,16 +9,16 @@
 The restore decides everything before podman starts, so a refusal leaves
 nothing behind: the archive must match its checksum and read to the end as
 a tar, every member's data included (a copy damaged or cut short in transit
-is refused, exit 2); the
-checkpoint's manifest must pass this node's restore gate with the GPUs
-chosen here (`restore_gate.plan_restore`, the same decision post-restore
-takes: driver branch, GPU count, model and memory, a driver that can remap;
-exit 6 when this node can never run it). The container's spec then names
-this node's GPUs in NVIDIA_VISIBLE_DEVICES (in a copy of the archive, in
-$TMPDIR or --work-dir: as large as the archive uncompressed), and the
-restore's OCI hook and post-restore compute the same device map from it. A restore podman (or the
-gate at post-restore) refuses is reported with the reason cudahook wrote
-into CRIU's log, and the half-made container is removed.
+is refused, exit 2); the checkpoint's manifest must pass this node's restore
+gate with the GPUs chosen here (`restore_gate.plan_restore`, the decision
+post-restore takes: driver branch, GPU count, model and memory, a driver
+that can remap; exit 6 when this node can never run it). A copy of the
+archive (in $TMPDIR or --work-dir, as large as the archive uncompressed)
+then names this node's GPUs in its container spec, and the restore's OCI
+hook and post-restore compute the same device map from it. A restore that
+podman (or the gate at post-restore) refuses is reported with the reason
+cudahook wrote into CRIU's log and its exit code, and the container podman
+made is removed.
 
 Archives are read with the standard tarfile module: podman's `--compress`
 none or gzip (`migrate checkpoint` writes gzip unless told otherwise).
@@ -383,8 +383,9 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
     try:
         work = Path(tempfile.mkdtemp(prefix="cudahook-migrate-", dir=work_dir))
     except OSError as exc:
-        raise EnvironmentProblem(f"cannot make a work directory in {work_dir or tempfile.gettempdir()}: "
-                                 f"{exc.strerror}") from None
+        where = work_dir or tempfile.gettempdir()
+        raise EnvironmentProblem(f"cannot make a work directory in {where}: {exc.strerror}"
+                                 ) from None
     try:
         copy = work / "restore.tar"
         small = scan(archive, copy_to=copy)
