@@ -8,7 +8,7 @@ is ``podman import`` of a tar of a rootfs directory.
 
 The storage driver is overlay where the kernel lets podman mount it in the
 suite's mount namespace, else vfs (slower, always works). ``close()`` removes
-every container it started (``rm -f -t 0``), unmounts what is left under its
+every container of its storage (``rm -a -f -t 0``), unmounts what is left under its
 directories and removes them.
 
 A :class:`NodeNamespace` is a mount namespace standing for another node on
@@ -98,7 +98,6 @@ class Podman:
         # Image copies go to TMPDIR (else /var/tmp, outside the suite's overlays).
         self.env = criu_path_env({"TMPDIR": str(self.tmp), **(env or {})})
         self.driver = "overlay"
-        self.names: set[str] = set()
 
     def global_args(self) -> list[str]:
         return [PODMAN, "--root", str(self.root), "--runroot", str(self.runroot),
@@ -168,7 +167,6 @@ class Podman:
             args += ["--device", f"{host}:{dest}:rwm"]
         for e in env:
             args += ["-e", e]
-        self.names.add(name)
         return self(*args, image, *cmd).stdout.strip()
 
     def inspect(self, name: str) -> dict:  # type: ignore[type-arg]
@@ -182,9 +180,6 @@ class Podman:
     def pid(self, name: str) -> int:
         return int(self.inspect(name)["State"]["Pid"])
 
-    def track(self, name: str) -> None:
-        self.names.add(name)
-
     def close_storage(self) -> None:
         unmount_under([self.root, self.runroot])
         for d in (self.root, self.runroot):
@@ -192,9 +187,9 @@ class Podman:
             d.mkdir(parents=True, exist_ok=True)
 
     def close(self) -> None:
-        for name in sorted(self.names):
-            with contextlib.suppress(DaemonError):
-                self("rm", "-f", "-t", "0", name, check=False, timeout=60)
+        # Every container of this storage (restored ones too): it is ours alone.
+        with contextlib.suppress(DaemonError):
+            self("rm", "-a", "-f", "-t", "0", check=False, timeout=120)
         if self.ns is None:
             # In a node namespace the mounts go with the namespace.
             unmount_under([self.root, self.runroot, self.tmp])

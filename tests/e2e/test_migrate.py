@@ -26,7 +26,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,6 @@ class SimNode:
     lab: SimLab
     ns: NodeNamespace
     podman: Podman
-    names: list[str] = field(default_factory=list)
 
     @property
     def log(self) -> Path:

@@ -209,7 +209,6 @@ def test_export_then_import_as_a_copy(node: Node, podman: Podman, tmp_path: Path
     # The original goes; its copy is restored from the archive under a new name.
     podman("rm", "-f", "-t", "0", name)
     copy = f"{name}-copy"
-    podman.track(copy)
     with node.resumed(tags) as reports:
         podman("container", "restore", "--import", str(archive), "--name", copy)
         first = reports.assert_from(frozen, frozen)
