@@ -369,6 +369,18 @@ def _peek_manifest(archive: Path) -> dict[str, Any] | None:
     return None
 
 
+def _need_image(ctx: Any, podman: Sequence[str], config: dict[str, Any]) -> None:
+    """podman restores a checkpoint only onto the image it was taken from
+    (by ID), and says so cryptically ("invalid repository name"): name it."""
+    image_id = str(config.get("rootfsImageID") or "")
+    if not image_id:
+        return  # a container made from a rootfs directory: nothing to look for
+    if _run(ctx, podman, ["image", "exists", image_id], 60).returncode != 0:
+        what = str(config.get("rootfsImageName") or config.get("RawImageName") or "its image")
+        raise EnvironmentProblem(f"the checkpoint's image {what} (ID {image_id[:12]}) is not on "
+                                 "this node: pull that image (the same ID) first")
+
+
 def _exists(ctx: Any, podman: Sequence[str], name: str) -> bool:
     return bool(_run(ctx, podman, ["container", "exists", name], 60).returncode == 0)
 
@@ -407,6 +419,7 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
         if final and _exists(ctx, podman, final):
             raise UsageError(f"a container named {final} exists on this node "
                              "(--name gives the restored one another)")
+        _need_image(ctx, podman, config)
         # The copy's spec names this node's GPUs: the archive stays as it came.
         finish_copy(copy, retarget(small, targets) if targets is not None
                     else {k: small[k] for k in SPEC_FILES})

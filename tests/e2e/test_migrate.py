@@ -118,7 +118,8 @@ class SimNode:
 
 
 def make_node(tmp: Path, image: Path, name: str, *, seed: str, gpus: int = 2,
-              driver: int = 580, gpu_specs: list[dict[str, Any]] | None = None) -> SimNode:
+              driver: int = 580, gpu_specs: list[dict[str, Any]] | None = None,
+              with_image: bool = True) -> SimNode:
     d = tmp / name
     lab = SimLab(d / "gpu", seed=seed, gpus=gpus, driver=driver, gpu_specs=gpu_specs).start()
     etc, libexec, root = d / "etc", d / "libexec", d / "root"
@@ -145,7 +146,8 @@ def make_node(tmp: Path, image: Path, name: str, *, seed: str, gpus: int = 2,
     podman = Podman(d / "podman", ns=ns, hooks_dir=str(COMMON / "etc/hooks.d"))
     node = SimNode(name, d, lab, ns, podman)
     try:
-        podman.load(image)
+        if with_image:
+            podman.load(image)
     except BaseException:
         node.close()
         raise
@@ -308,6 +310,20 @@ def test_a_node_that_cannot_run_the_image_is_refused_with_exit_6(nodes: Any, tmp
     r = a.migrate("restore", str(archive), "--name", "back")
     assert r.returncode == 0, r.stdout + r.stderr
     wait_healthy(a.lab, tags, frozen)
+
+
+def test_a_node_without_the_image_is_told_to_pull_it(nodes: Any, tmp_path: Path,
+                                                      image: Path) -> None:
+    a = nodes("a", seed="node-a")
+    b = nodes("b", seed="node-b", with_image=False)
+    _, tags, archive, frozen = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit")
+    r = b.migrate("restore", str(archive))
+    assert_refused_cleanly(b, r, Exit.ENVIRONMENT, f"image {IMAGE}")
+    assert "pull" in r.stderr
+    b.podman.load(image)  # as from the registry
+    r = b.migrate("restore", str(archive))
+    assert r.returncode == 0, r.stdout + r.stderr
+    wait_healthy(b.lab, tags, frozen)
 
 
 def test_gpus_chosen_on_the_same_node(nodes: Any, tmp_path: Path) -> None:
