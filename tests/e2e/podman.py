@@ -20,6 +20,7 @@ the same machine: the same path (the simulated GPU's directory, hooks.d,
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -29,6 +30,7 @@ import tarfile
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from cudahook.sim.bundle import DEFAULT_PATH, find_criu
 
@@ -98,6 +100,8 @@ class Podman:
         # Image copies go to TMPDIR (else /var/tmp, outside the suite's overlays).
         self.env = criu_path_env({"TMPDIR": str(self.tmp), **(env or {})})
         self.driver = "overlay"
+        #: why podman's storage fell back to vfs (None: overlay works here)
+        self.overlay_error: str | None = None
 
     def global_args(self) -> list[str]:
         return [PODMAN, "--root", str(self.root), "--runroot", str(self.runroot),
@@ -133,9 +137,8 @@ class Podman:
         with tarfile.open(tar, "w") as t:
             t.add(rootfs, arcname=".")
         res = self("import", str(tar), name, check=False)
-        #: why overlay was not used (None: it was)
-        self.overlay_error = res.stderr.strip() if res.returncode else None
         if res.returncode != 0:
+            self.overlay_error = res.stderr.strip()
             # overlay may not mount here (nested overlays): vfs always does.
             self.close_storage()
             self.driver = "vfs"
@@ -169,9 +172,7 @@ class Podman:
             args += ["-e", e]
         return self(*args, image, *cmd).stdout.strip()
 
-    def inspect(self, name: str) -> dict:  # type: ignore[type-arg]
-        import json
-
+    def inspect(self, name: str) -> dict[str, Any]:
         return json.loads(self("container", "inspect", name).stdout)[0]
 
     def state(self, name: str) -> str:
