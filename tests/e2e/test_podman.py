@@ -152,6 +152,12 @@ def test_hooks_d_registration(node: Node) -> None:
         assert d["stages"] == [stage]
     assert f"action-script {node.libexec / 'cudahook-criu-action'}" in \
         Path("/etc/criu/runc.conf").read_text()
+    # doctor sees the registration, and the runtime podman runs here.
+    r = sh("/usr/local/bin/cudahook", "doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    assert checks["podman/CRI-O registration"]["status"] == "ok", checks
+    want = "warn" if shutil.which("crun") else "ok"  # Debian's podman with runc: ok
+    assert checks["podman runtime"]["status"] == want, checks["podman runtime"]
 
 
 def test_checkpoint_then_restore(node: Node, podman: Podman) -> None:
