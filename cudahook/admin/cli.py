@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the same GPUs if all are here, else the first ones)")
     mgr.add_argument("--no-verify", action="store_true",
                      help="restore without ARCHIVE.sha256 (the tar is still read to the end)")
+    mgr.add_argument("--dry-run", action="store_true",
+                     help="check the archive and this node (exit 0, 2, 5 or 6), restore nothing")
     mgr.add_argument("--work-dir", help="where the copy naming this node's GPUs is written "
                      "(default: $TMPDIR; as large as the archive, uncompressed)")
     for sp in (mgc, mgr):
@@ -271,9 +273,9 @@ def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
     gpus = [u.strip() for u in args.gpus.split(",") if u.strip()] if args.gpus else None
     out = migrate.restore(ctx, podman, Path(args.archive), name=args.name, gpus=gpus,
                           verify=not args.no_verify, timeout=args.timeout,
-                          work_dir=args.work_dir)
+                          work_dir=args.work_dir, dry_run=args.dry_run)
     moved = ", ".join(f"{a}={b}" for a, b in (out["device_map"] or {}).items())
-    _emit(args, out, f"{out['container']}: restored"
+    _emit(args, out, f"{out['container']}: {'would be restored' if args.dry_run else 'restored'}"
           + (f" onto {', '.join(out['gpus'])}" if out["gpus"] else "")
           + (f" (device map {moved})" if moved else ""))
     return Exit.OK

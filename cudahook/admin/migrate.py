@@ -387,8 +387,10 @@ def _exists(ctx: Any, podman: Sequence[str], name: str) -> bool:
 
 def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None = None,
             gpus: Sequence[str] | None = None, verify: bool = True,
-            timeout: float = DEFAULT_TIMEOUT_S, work_dir: str | None = None) -> dict[str, Any]:
-    """Restore the container in `archive` on this node, onto this node's GPUs."""
+            timeout: float = DEFAULT_TIMEOUT_S, work_dir: str | None = None,
+            dry_run: bool = False) -> dict[str, Any]:
+    """Restore the container in `archive` on this node, onto this node's GPUs
+    (`dry_run`: every check, then stop before writing or restoring anything)."""
     if not archive.is_file():
         raise UsageError(f"{archive}: no such archive")
     digest = verify_checksum(archive) if verify else None
@@ -400,7 +402,7 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                                  ) from None
     try:
         copy = work / "restore.tar"
-        small = scan(archive, copy_to=copy)
+        small = scan(archive, copy_to=None if dry_run else copy)
         for required in SPEC_FILES:
             if required not in small:
                 raise UsageError(f"{archive}: not a podman checkpoint archive (no {required})")
@@ -420,6 +422,10 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
             raise UsageError(f"a container named {final} exists on this node "
                              "(--name gives the restored one another)")
         _need_image(ctx, podman, config)
+        if dry_run:
+            return {"archive": str(archive), "sha256": digest, "container": final,
+                    "gpus": targets, "source_gpus": (data or {}).get("gpus"),
+                    "device_map": mapping, "dry_run": True}
         # The copy's spec names this node's GPUs: the archive stays as it came.
         finish_copy(copy, retarget(small, targets) if targets is not None
                     else {k: small[k] for k in SPEC_FILES})

@@ -236,6 +236,11 @@ def test_migrate_same_count_other_uuids(nodes: Any, tmp_path: Path) -> None:
     assert set(a.lab.uuids).isdisjoint(b.lab.uuids)
     name, tags, archive, frozen = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit")
 
+    # --dry-run: the same decision, nothing restored.
+    r = b.migrate("restore", str(archive), "--name", f"{name}-b", "--json", "--dry-run")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["device_map"] == {a.lab.uuids[0]: b.lab.uuids[0]}
+    assert b.containers() == []
     r = b.migrate("restore", str(archive), "--name", f"{name}-b", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
@@ -273,8 +278,9 @@ def test_fewer_gpus_on_the_target_is_refused_with_exit_6(nodes: Any, tmp_path: P
     b = nodes("b", seed="node-b", gpus=1)
     _, _, archive, _ = checkpoint_on(a, a.lab.uuids, tmp_path / "transit")
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    r = b.migrate("restore", str(archive))
-    assert_refused_cleanly(b, r, Exit.NOT_HERE, "used 2 GPU(s); this node has 1")
+    for dry in ([], ["--dry-run"]):
+        r = b.migrate("restore", str(archive), *dry)
+        assert_refused_cleanly(b, r, Exit.NOT_HERE, "used 2 GPU(s); this node has 1")
     assert hashlib.sha256(archive.read_bytes()).hexdigest() == digest
     # Straight through podman, the restore gate refuses at post-restore, before
     # the tasks run, and says why in the CRIU log podman names.
