@@ -28,13 +28,14 @@ import signal
 import subprocess
 import tarfile
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from cudahook.sim.bundle import DEFAULT_PATH, find_criu
 
-from .daemons import RUNC, DaemonError, unmount_under
+from .daemons import RUNC, DaemonError, pids_with_args, unmount_under
 
 PODMAN = "/usr/bin/podman"
 #: The VM's hard limits are lower than podman's defaults (nofile 1048576):
@@ -191,6 +192,12 @@ class Podman:
         # Every container of this storage (restored ones too): it is ours alone.
         with contextlib.suppress(DaemonError):
             self("rm", "-a", "-f", "-t", "0", check=False, timeout=120)
+        # conmon runs `podman container cleanup` after a container dies, on
+        # its own: wait for those (they name our runroot), or one would make
+        # the runroot again after it is removed.
+        deadline = time.monotonic() + 30
+        while pids_with_args(str(self.runroot)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         if self.ns is None:
             # In a node namespace the mounts go with the namespace.
             unmount_under([self.root, self.runroot, self.tmp])
