@@ -41,6 +41,7 @@ from cudahook.sim.lab import PKG_PARENT, SimLab
 from cudahook.sim.runcbox import GUEST_PKG, GUEST_SIM, STAND_IN_NODE, guest_env
 
 from .conftest import needs_runc, private_node, tree_digest
+from .outcomes import process_tree, still_alive
 from .podman import PODMAN, NodeNamespace, Podman
 from .test_runtimes import OTHERS, python_rootfs, workload_cmd
 
@@ -214,6 +215,7 @@ def checkpoint_on(node: SimNode, visible: list[str], transit: Path,
     wait_healthy(node.lab, tags, {}, steps=3)
     archive = node.dir / "out" / f"{name}.tar.gz"
     archive.parent.mkdir(exist_ok=True)
+    tree = process_tree(node.podman.pid(name))
     r = node.migrate("checkpoint", name, str(archive), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
@@ -222,6 +224,7 @@ def checkpoint_on(node: SimNode, visible: list[str], transit: Path,
     assert archive.with_name(archive.name + ".sha256").read_text() == \
         f"{out['sha256']}  {archive.name}\n"
     assert node.podman.state(name) == "exited"
+    assert not still_alive(tree), "the container's processes outlived the dump"
     frozen = counters(node.lab, tags)
     transit.mkdir(exist_ok=True)
     copy = transit / archive.name
@@ -389,7 +392,7 @@ def test_runc_recipe_moves_the_container(make_env: Any, tmp_path: Path) -> None:
     image = tmp_path / "a-image"
     r = a.box.checkpoint(cid, image)
     assert r.returncode == 0, r.stderr
-    frozen = a.frozen(tags)
+    frozen = a.frozen(cid, tags)
     # node A: pack and sum; the copy; node B: check and unpack
     sh("tar", "-C", str(image), "-czf", str(tmp_path / "ckpt.tar.gz"), ".")
     sh("sh", "-c", "sha256sum ckpt.tar.gz > ckpt.tar.gz.sha256", cwd=tmp_path)
@@ -424,7 +427,7 @@ def test_runc_recipe_onto_too_few_gpus_is_refused_before_tasks_run(make_env: Any
     a.wait_running(["solo"], steps=3)
     image = tmp_path / "img"
     assert a.box.checkpoint(cid, image).returncode == 0
-    frozen = a.frozen(["solo"])
+    frozen = a.frozen(cid, ["solo"])
     bundle = b.box.bundle("b2", workloads, others=OTHERS, visible=b.lab.uuids)
     r = b.box.restore(cid, bundle, image)
     assert r.returncode != 0

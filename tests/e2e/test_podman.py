@@ -34,6 +34,7 @@ from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import STAND_IN_NODE, guest_binds, guest_env
 
 from .conftest import needs_runc, private_node, tree_digest
+from .outcomes import process_tree
 from .podman import PODMAN, Podman
 from .test_runtimes import (
     CONFIG,
@@ -166,9 +167,10 @@ def test_checkpoint_then_restore(node: Node, podman: Podman) -> None:
     assert_hooked(node, podman, name)
     cid, pid = podman.inspect(name)["Id"], podman.pid(name)
 
+    tree = process_tree(pid)
     podman("container", "checkpoint", name)
     assert podman.state(name) == "exited"
-    frozen = node.frozen(tags)
+    frozen = node.frozen(tags, tree)
     (ckpt,) = node.events(cid, "checkpoint")
     assert sorted(ckpt["nspids"]) == sorted(node.lab.status(t)["pid"] for t in tags)
     node.wait_event(cid, "guardian", lambda e: "nothing to resume" in e.get("outcome", ""))
@@ -207,8 +209,9 @@ def test_export_then_import_as_a_copy(node: Node, podman: Podman, tmp_path: Path
     name, tags = gpu_container(podman, node.lab, "ex")
     node.wait_running(tags, steps=3)
     archive = tmp_path / "ckpt.tar.gz"
+    tree = process_tree(podman.pid(name))
     podman("container", "checkpoint", "--export", str(archive), "--compress", "gzip", name)
-    frozen = node.frozen(tags)
+    frozen = node.frozen(tags, tree)
     assert podman.state(name) == "exited"
     with tarfile.open(archive) as t:
         assert "checkpoint/cudahook-manifest.json" in t.getnames()
@@ -250,8 +253,9 @@ def test_restore_refused_by_the_gate_reaches_the_user(node: Node, podman: Podman
     name, tags = gpu_container(podman, node.lab, "gt")
     node.wait_running(tags, steps=3)
     cid = podman.inspect(name)["Id"]
+    tree = process_tree(podman.pid(name))
     podman("container", "checkpoint", "--keep", name)
-    frozen = node.frozen(tags)
+    frozen = node.frozen(tags, tree)
     image = Path(podman.inspect(name)["OCIConfigPath"]).parent / "checkpoint"
     assert manifest.read(image) is not None
     digest = tree_digest(image)
@@ -268,8 +272,8 @@ def test_restore_refused_by_the_gate_reaches_the_user(node: Node, podman: Podman
     reason = [x for x in Path(log.group(1)).read_text().splitlines() if "cudahook: " in x]
     assert any("restore needs the same driver branch" in x for x in reason), reason
     assert podman.state(name) == "exited"
-    node.frozen(tags)  # nothing ran
-    assert node.counters(tags) == frozen
+    time.sleep(0.3)
+    assert node.counters(tags) == frozen  # nothing ran
     assert node.events(cid, "restore") == []
     assert tree_digest(image) == digest
     # Back on the right driver, the same checkpoint restores.

@@ -487,8 +487,9 @@ def test_docker_recipe_moves_a_checkpoint_onto_other_gpus(node: Node, image: Pat
         src = d.docker("run", "-d", *create(*env), name, *spec.cmd).stdout.strip()
         node.wait_running(tags, steps=3)
         ckdir = tmp_path / "checkpoints"
+        tree = process_tree(d.pid(src))
         d.docker("checkpoint", "create", "--checkpoint-dir", str(ckdir), src, "move", timeout=120)
-        frozen = node.frozen(tags)
+        frozen = node.frozen(tags, tree)
         assert (ckdir / "move" / "cudahook-manifest.json").is_file()
         copied = tmp_path / "transit"
         shutil.copytree(ckdir, copied)
