@@ -345,7 +345,8 @@ def test_post_restore_of_a_mig_instance_in_place(make_node, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(("driver", "left"), [(580, "checkpointed"), (580, "locked"),
-                                              (550, "checkpointed")])
+                                              (550, "checkpointed"), (590, "checkpointed"),
+                                              (590, "locked")])
 def test_pre_dump_refuses_a_process_it_did_not_lock_or_checkpoint(
         make_node, tmp_path: Path, driver: int, left: str) -> None:  # type: ignore[no-untyped-def]
     """A process already checkpointed holds no device file, but keeps its

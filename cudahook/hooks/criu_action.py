@@ -190,7 +190,8 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     # is gone; or another tool). Dumped, it would be restored without its
     # GPU state: "successfully", but dead. Its owner is unknown, so nothing
     # here may move it: refuse before anything is locked.
-    stale = _not_running(ctx, found.processes)
+    found.processes = _with_states(ctx, found.processes)
+    stale = _not_running(found.processes)
     if stale:
         return _refuse(ctx, cid, init_pid, len(found.processes), Exit.UNSAFE,
                        "; ".join(f"pid {pid} is already {state}" for pid, state in stale)
@@ -562,19 +563,30 @@ def _need_init(ctx: Context, call: CriuCall) -> int:
     return call.init_pid
 
 
-def _not_running(ctx: Context, procs: list[Any]) -> list[tuple[int, str]]:
-    """(pid, state) of the CUDA processes that are not running: as discovery
-    read them, or, where it read no state, checkpointed if they hold no
-    device file (a checkpoint releases them all)."""
+def _with_states(ctx: Context, procs: list[Any]) -> list[Any]:
+    """The processes with their states. Discovery reads them where one call
+    answers both questions; where it did not (R590+, which probes the
+    restore thread), they are read now - the checkpoint would read them
+    first anyway, and takes them as fresh, so no call is added. A state
+    that cannot be read stays unknown: the checkpoint reads it again and
+    refuses before locking anything."""
+    import dataclasses
+
+    from cudahook.core.timeline import Timeline
+
+    unknown = [p.pid for p in procs if p.state is None]
+    if not unknown:
+        return procs
+    states, _ = ctx.engine.read_states(unknown, Timeline())
+    return [dataclasses.replace(p, state=states[p.pid]) if p.state is None and p.pid in states
+            else p for p in procs]
+
+
+def _not_running(procs: list[Any]) -> list[tuple[int, str]]:
+    """(pid, state) of the CUDA processes already locked or checkpointed."""
     from cudahook.core.backends import CHECKPOINTED, LOCKED
 
-    out = []
-    for p in procs:
-        if p.state in (LOCKED, CHECKPOINTED):
-            out.append((p.pid, p.state))
-        elif p.state is None and not device_files(ctx.host, p.pid, ctx.settings.device_regex):
-            out.append((p.pid, CHECKPOINTED))
-    return out
+    return [(p.pid, p.state) for p in procs if p.state in (LOCKED, CHECKPOINTED)]
 
 
 def _start_time(ctx: Context, pid: int) -> int | None:
