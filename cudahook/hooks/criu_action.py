@@ -40,6 +40,7 @@ from cudahook.platform.marks import mark, prune_restore_marks
 from cudahook.vmm import coordinator as vmm
 
 from . import criu_env, guardian
+from . import criu_run as criu_run_steps
 from .containers import container_for, gpus_and_models, kill_container, restored_pids, visible_gpus
 from .context import Context
 from .criu_env import CriuCall
@@ -122,7 +123,7 @@ def pre_dump(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
             f"pre-dump: an earlier call in this CRIU run stopped without finishing "
             f"(last step: {criu_run['step']}; killed?): this dump fails, and its guardian "
             "brings back what it had touched; nothing was touched by this call")
-    criu_run.step("started")
+    criu_run.step(criu_run_steps.STARTED)
     init_pid = _need_init(ctx, call)
     # Hazard: containerd and docker pause the container before `runc
     # checkpoint`. A frozen process's CUDA restore thread cannot run, and
@@ -226,7 +227,7 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     except Exception as exc:
         raise EnvironmentProblem(f"pre-dump: cannot arm the guardian: {exc}; "
                                  "nothing was locked") from exc
-    criu_run.step("guardian armed")
+    criu_run.step(criu_run_steps.ARMED)
 
     # 4. What the manifest and a later restore need, and the VMM interposer's
     #    prepare step, which must run before the CUDA lock. A partial set of
@@ -253,7 +254,7 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     #    touched process back and verifies each one `running`; CRIU then
     #    aborts on our exit status (the guardian finds them running and
     #    leaves them; a rollback that failed it tries again).
-    criu_run.step("locking and checkpointing")
+    criu_run.step(criu_run_steps.LOCKING)
     try:
         result = ctx.engine.checkpoint(found.processes, fresh_states=True)
     except PhaseError as exc:
@@ -266,6 +267,8 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
             undo = undo_prepare(ctx, cid, call.image_dir, _dropped_vmm(found.processes, exc))
             if undo:
                 error, rc, unsafe = f"{error}; {undo}", Exit.UNSAFE, True
+        if not unsafe:  # every process verified running: nothing left for the guardian
+            criu_run.step(criu_run_steps.ROLLED_BACK)
         ctx.log("checkpoint", container=cid, error=error, pids=found.pids, unsafe=unsafe,
                 timeline=exc.result.timeline.to_dict() if exc.result else None)
         _remember(ctx, cid, "checkpoint", ok=False, error=error, unsafe=unsafe)
@@ -292,6 +295,8 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
                             [(p.pid, p.nspid) for p in found.processes]) if with_vmm else None
         if undo:
             message, code = f"{message}; {undo}", Exit.UNSAFE
+        if code == Exit.FAILED:
+            criu_run.step(criu_run_steps.ROLLED_BACK)
         ctx.log("checkpoint", container=cid, error=message, pids=found.pids)
         _remember(ctx, cid, "checkpoint", ok=False, error=message)
         return code
@@ -303,7 +308,7 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     #    back. Undo if the manifest cannot be written: without it the
     #    restore could never bring the GPU state back - so remove it and
     #    restore everything now.
-    criu_run.step("checkpointed")
+    criu_run.step(criu_run_steps.CHECKPOINTED)
     data = {
         "container_id": cid,
         "created": time.time(),
@@ -325,12 +330,14 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         ctx.engine.restore(found.processes)
         undo = undo_prepare(ctx, cid, call.image_dir,
                             [(p.pid, p.nspid) for p in found.processes]) if with_vmm else None
+        if not undo:
+            criu_run.step(criu_run_steps.ROLLED_BACK)
         raise (PhaseError("checkpoint", [f"cannot record the checkpoint: {exc}", undo],
                           safe=False) if undo else
                EnvironmentProblem(f"pre-dump: cannot record the checkpoint: {exc}")) from exc
 
     # 7. Handed over to CRIU: it dumps the processes, now without GPU state.
-    criu_run.step("recorded")
+    criu_run.step(criu_run_steps.RECORDED)
     ctx.log("checkpoint", container=cid, pids=found.pids,
             nspids=[p.nspid for p in found.processes], total_s=result.timeline.total(),
             timeline=result.timeline.to_dict())

@@ -24,6 +24,13 @@ if TYPE_CHECKING:
 # The actions the action script handles, and whose outcome is kept.
 HANDLED = ("pre-dump", "post-restore", "post-resume")
 
+# The steps pre-dump records as it goes (CriuRun.step), for the guardian.
+STARTED, ARMED, LOCKING = "started", "guardian armed", "locking and checkpointing"
+CHECKPOINTED, RECORDED, ROLLED_BACK = "checkpointed", "recorded", "rolled back"
+# A pre-dump that stopped at one of these left every process running: none
+# was locked yet, or its own rollback verified them all running again.
+SETTLED = (STARTED, ARMED, ROLLED_BACK)
+
 
 class CriuRun:
     def __init__(self, store: Store, host: Host, criu_pid: int):

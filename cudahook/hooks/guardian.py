@@ -31,6 +31,8 @@ import os
 import select
 import time
 
+from .criu_run import SETTLED
+
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -230,22 +232,24 @@ def _frozen(ctx: Any, pid: int) -> bool:
         return False
 
 
-def _how(args: dict[str, Any]) -> str:
+def _how(args: dict[str, Any]) -> tuple[str, str | None]:
     """What the run's progress record says of the pre-dump that armed us:
-    its outcome, or the step where its action script stopped."""
+    its outcome, or that it did not finish, and the last step it took."""
     from pathlib import Path
 
     from cudahook.platform.store import read_json
 
     data = read_json(Path(args["run"])) if args.get("run") else None
     if not isinstance(data, dict):
-        return "pre-dump left no record"
+        return "pre-dump left no record", None
     done = data.get("done")
     rc = done.get("pre-dump") if isinstance(done, dict) else None
     # The step is the first call's: CRIU's duplicate call refuses to act
     # after a first call that never finished, and records only its exit.
-    last = f"last step: {data.get('step') or 'none'}"
-    return f"pre-dump exited {rc} ({last})" if type(rc) is int else f"pre-dump did not finish ({last})"
+    step = data.get("step") if isinstance(data.get("step"), str) else None
+    last = f"last step: {step or 'none'}"
+    return (f"pre-dump exited {rc} ({last})" if type(rc) is int
+            else f"pre-dump did not finish ({last})"), step
 
 
 def main(arg: str) -> int:
@@ -290,12 +294,20 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
             ctx.log("guardian", container=cid, error=f"{what} (pid {pid}) still running after "
                     f"{MAX_WAIT_S}s: the workload is left as it is")
             return 1
-    how = _how(args)
-    # The tasks of a completed dump are being killed; let that land.
-    time.sleep(0.05)
+    how, step = _how(args)
     keep = args.get("vmm")
     if keep and not os.path.isdir(keep["dir"]):
         keep = None  # prepare never ran (or no VMM step): nothing to replay
+    if step in SETTLED:
+        # The pre-dump stopped before any lock, or its own rollback verified
+        # every process running: nothing to do, and nothing to wait for (a
+        # container left paused must not hold up its next checkpoint).
+        _drop(keep)
+        ctx.log("guardian", container=cid, outcome="nothing to resume: no process was left "
+                "locked or checkpointed", run=how)
+        return 0
+    # The tasks of a completed dump are being killed; let that land.
+    time.sleep(0.05)
     alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
     if not alive:
         _drop(keep)

@@ -329,3 +329,28 @@ def test_status_on_a_paused_container_answers_at_once(make_env) -> None:  # type
     r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(env.config), "status"],
                        capture_output=True, text=True, timeout=60)
     assert "running" in r.stdout and "nspid" in r.stdout, r.stdout
+
+
+def test_a_failed_checkpoint_of_a_paused_container_does_not_hold_up_the_next(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """pre-dump rolled a failed checkpoint back itself, and the container
+    stays paused: its guardian, armed before the lock, has nothing to do and
+    says so at once, instead of waiting for a thaw that may never come -
+    so the next checkpoint (which thaws for the CUDA phase) is not refused
+    for a guardian still alive."""
+    env = make_env()
+    cfg = yaml.safe_load(env.config.read_text())
+    env.config.write_text(yaml.safe_dump({**cfg, "guardian_wait_s": 1}))
+    cid, bundle, tags = start(env)
+    assert env.box.pause(cid).returncode == 0
+    env.lab.fault("checkpoint", tag="mp.1", code=2)
+    r = env.box.checkpoint(cid, tmp_path / "img")
+    assert r.returncode != 0
+    assert env.box.state(cid)["status"] == "paused"
+    env.wait_event("guardian", lambda e: "nothing to resume" in e.get("outcome", ""))
+    env.lab.clear_faults()
+    r = env.box.checkpoint(cid, tmp_path / "img2")
+    assert r.returncode == 0, r.stderr
+    frozen = env.frozen(cid, tags)
+    r = env.box.restore(cid, bundle, tmp_path / "img2")
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)
