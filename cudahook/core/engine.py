@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from cudahook.platform.config import Settings
 from cudahook.platform.errors import EnvironmentProblem, PhaseError, ToolError
 from cudahook.platform.host import Host, ProcessGone
+from cudahook.platform.record import Record
 
 from .backends import CHECKPOINTED, LOCKED, RUNNING, STABLE, explain_state
 from .discovery import CudaProcess, has_device_fd
@@ -47,15 +47,14 @@ if TYPE_CHECKING:
 
 
 
-@dataclass
-class PhaseResult:
+class PhaseResult(Record):
     phase: str
     pids: list[int]
     timeline: Timeline
-    initial: dict[int, str] = field(default_factory=dict)
-    final: dict[int, str] = field(default_factory=dict)
-    changed: list[int] = field(default_factory=list)
-    errors: dict[int, str] = field(default_factory=dict)
+    initial: dict[int, str] = {}  # (a fresh dict for each: see Record)
+    final: dict[int, str] = {}
+    changed: list[int] = []
+    errors: dict[int, str] = {}
     device_map: dict[str, str] | None = None
     rolled_back: bool = False
 

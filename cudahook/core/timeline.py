@@ -11,7 +11,8 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+
+from cudahook.platform.record import Record
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -20,8 +21,7 @@ if TYPE_CHECKING:
 
 
 
-@dataclass
-class Step:
+class Step(Record):
     pid: int
     step: str
     start: float  # seconds since the timeline's origin
@@ -66,7 +66,7 @@ class Timeline:
             "origin": self.origin_wall,
             "total_s": round(self.total(), 6),
             "steps": [
-                {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(s).items()}
+                {k: (round(v, 6) if isinstance(v, float) else v) for k, v in s.as_dict().items()}
                 for s in sorted(self.steps, key=lambda s: (s.start, s.pid))
             ],
         }

@@ -22,12 +22,12 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from cudahook.core.discovery import CudaProcess
 from cudahook.platform.errors import CudahookError, EnvironmentProblem
 from cudahook.platform.host import Host, ProcessGone
+from cudahook.platform.record import Record
 
 from .sockets import owned_socket
 
@@ -55,20 +55,18 @@ SHIM_LIBRARY = re.compile(r"/lib[^/\s]*cuda[-_]?vmm[^/\s]*\.so(\.[0-9]+)*( \(del
 SCAN_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True)
-class Detection:
+class Detection(Record, frozen=True):
     with_socket: list[CudaProcess]
     without: list[CudaProcess]
     # name -> [st_dev, st_ino] of each process's own socket, for poststop
-    sockets: dict[str, list[int]] = field(default_factory=dict)
+    sockets: dict[str, list[int]] = {}  # (a fresh dict for each: see Record)
 
     @property
     def participates(self) -> bool:
         return bool(self.with_socket) and not self.without
 
 
-@dataclass(frozen=True)
-class _Look:
+class _Look(Record, frozen=True):
     shim: bool
     socket: tuple[str, int, int] | None
 
