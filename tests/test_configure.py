@@ -150,5 +150,8 @@ def test_criu_registration_gpu_only_and_back_to_global(root: Path) -> None:
     configure("docker", HOOKS, root=str(root), revert=True)
     configure("runc", HOOKS, root=str(root), revert=True)
     assert tree(root) == before
+    lines = configure("podman", HOOKS, root=str(root), criu_registration="gpu-only",
+                      dry_run=True)
+    assert any("podman creates containers without the wrapper" in x for x in lines)
     with pytest.raises(ConfigureError, match="unknown CRIU registration"):
         configure("runc", HOOKS, root=str(root), criu_registration="some")

@@ -80,6 +80,9 @@ def plan(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool = Fals
         p.notes.append(f"CRIU registration gpu-only: only GPU containers created through {wrapper} "
                        "run the action script; containers created without it (or before this "
                        "change) are not covered: recreate them through the wrapper")
+        if runtime in ("podman", "crio"):
+            p.notes.append(f"{runtime} creates containers without the wrapper: with gpu-only "
+                           "their GPU containers are not covered; use --criu-registration global")
     if runtime == "runc":
         p.notes.append("runc reads /etc/criu/runc.conf at every checkpoint: nothing to restart. "
                        f"For the OCI hooks, run runc through {wrapper} or add the hooks to "
