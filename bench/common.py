@@ -267,6 +267,7 @@ def execute(run: Callable[[argparse.Namespace], Result], args: argparse.Namespac
     t0 = time.monotonic()
     load0 = os.getloadavg()
     git0 = git_state()  # others edit this checkout: record what THIS benchmark ran
+    untouched = {p: os.path.lexists(p) for p in NODE_PATHS}
     with cleanup_on_signals(), node_root() as root:
         try:
             res = run(args)
@@ -280,7 +281,15 @@ def execute(run: Callable[[argparse.Namespace], Result], args: argparse.Namespac
     res.extra["loadavg_start_end"] = [load0, os.getloadavg()]
     res.extra["git_at_start"] = git0
     res.extra["node_root"] = str(root)
+    touched = [p for p, was in untouched.items() if os.path.lexists(p) != was]
+    if touched:  # a variant ran without the node root: the benchmark is wrong
+        res.notes.append(f"WROTE THE NODE'S {', '.join(touched)}: remove, fix the benchmark")
     return res
+
+
+# The node's own cudahook paths: a benchmark must leave them as it found them.
+NODE_PATHS = ("/run/cudahook", "/run/cudahook-marks", "/etc/cudahook", "/etc/criu/runc.conf",
+              "/var/log/cudahook.log", "/var/lib/cudahook", "/opt/cudahook")
 
 
 @contextlib.contextmanager
