@@ -450,16 +450,17 @@ def test_copies_share_a_gpus_link_and_run_in_parallel_across_gpus(make_node) -> 
 
 
 def test_the_host_copy_is_the_processs_memory_and_a_lost_page_is_caught(node) -> None:  # type: ignore[no-untyped-def]
-    """A checkpoint leaves the device memory's copy in a memfd the process
-    holds (what CRIU dumps with it); what the restore puts back is that copy,
-    byte for byte: a page changed in it fails the workload's memory check."""
+    """A checkpoint leaves the device memory in a memfd the process holds
+    (what CRIU dumps with it), the GPU's own reference gone; what the restore
+    puts back is that memory, byte for byte: a page changed in it fails the
+    workload's memory check."""
     p = node.spawn("w", mib=4, check_every=1)
     node.lab.wait_counter("w", 2)
     pid = str(p.pid)
     for action in ("lock", "checkpoint"):
         assert cc(node, "--action", action, "--pid", pid).returncode == 0
     copies = [f"/proc/{pid}/fd/{n}" for n in os.listdir(f"/proc/{pid}/fd")
-              if "cudahook-sim-host-copy" in os.readlink(f"/proc/{pid}/fd/{n}")]
+              if "cudahook-sim-device-memory" in os.readlink(f"/proc/{pid}/fd/{n}")]
     assert copies and sum(os.stat(c).st_size for c in copies) >= 4 << 20
     gpu = node.lab.info()["gpus"][0]
     assert gpu["memory_used_mib"] == 0  # on the host now, not on the GPU
@@ -477,4 +478,4 @@ def test_the_host_copy_is_the_processs_memory_and_a_lost_page_is_caught(node) ->
         assert time.monotonic() < deadline, node.lab.status("w")
         time.sleep(0.05)
     assert not [n for n in os.listdir(f"/proc/{pid}/fd")
-                if "cudahook-sim-host-copy" in os.readlink(f"/proc/{pid}/fd/{n}")]
+                if "cudahook-sim-device-memory" in os.readlink(f"/proc/{pid}/fd/{n}")]

@@ -13,19 +13,20 @@ copy in parallel, processes on one GPU take turns on its link, so a phase
 takes at least its largest per-GPU byte count over the link's bandwidth.
 
 Device memory is a memfd per allocation (mapped here for kernels and
-digests). A checkpoint's copy to the host and a restore's copy back
-(`download_fd`, `upload_fd`) are made by the kernel, memfd to memfd
-(copy_file_range), within the copy's turn on the link, and the copy is
-handed over with SCM_RIGHTS: the bytes really are copied, to a memfd the
-CUDA process holds (CRIU dumps it with the process and restores it), but
-neither Python process moves them, so a phase costs what the link model
-says rather than what one Python process can memcpy.
+digests). A checkpoint's copy to the host (`download_fd`) hands the CUDA
+process that memfd (SCM_RIGHTS) within the copy's turn on the link; once
+the checkpoint has released the GPU, the process holds the only reference:
+its host copy, which CRIU dumps with the process and restores. A restore
+(`upload_fd`) hands it back and the service adopts it as device memory.
+The pages change hands rather than being copied, so a phase costs what the
+link model says, not what one Python process can memcpy; what a restored
+process reads is still exactly what went through the host (the image, under
+CRIU), and its memory check catches any page that changed on the way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import mmap
@@ -44,7 +45,6 @@ from .protocol import (
     INVALID_DEVICE,
     INVALID_VALUE,
     OUT_OF_MEMORY,
-    UNKNOWN,
     CudaError,
     FdStream,
     bind_unix,
@@ -75,7 +75,7 @@ class Client:
     fds: dict[int, int] = field(default_factory=dict)  # handle -> the memfd
 
 
-def memfd(size: int, name: str = "cudahook-sim-gpu") -> int:
+def memfd(size: int, name: str = "cudahook-sim-device-memory") -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
@@ -83,29 +83,6 @@ def memfd(size: int, name: str = "cudahook-sim-gpu") -> int:
         os.close(fd)
         raise
     return fd
-
-
-def kernel_copy(src: int, dst: int, size: int) -> None:
-    """`size` bytes from offset 0 of `src` to offset 0 of `dst`, copied by the
-    kernel (Python's GIL released meanwhile); sendfile where copy_file_range
-    does not go between these files."""
-    done = 0
-    use_sendfile = False
-    while done < size:
-        if not use_sendfile:
-            try:
-                n = os.copy_file_range(src, dst, size - done, done, done)
-            except OSError as exc:
-                if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise
-                use_sendfile = True
-                continue
-        else:
-            os.lseek(dst, done, os.SEEK_SET)
-            n = os.sendfile(dst, src, done, size - done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"device memory copy stopped at {done} of {size} bytes")
-        done += n
 
 
 def _mapping(fd: int, size: int) -> Any:
@@ -194,13 +171,11 @@ class GpuService:
         return buf
 
     def _store(self, client: Client, size: int, fill: Any = None, src: int | None = None) -> int:
-        """A new device buffer of `size` bytes (zeroed, `fill`ed, or copied by
-        the kernel from the memfd `src`); its handle."""
-        fd = memfd(size)
+        """A new device buffer of `size` bytes (zeroed, `fill`ed, or the memfd
+        `src` adopted); its handle."""
+        fd = os.dup(src) if src is not None else memfd(size)
         try:
-            if src is not None:
-                kernel_copy(src, fd, size)
-            elif fill:
+            if fill and src is None:
                 view, done = memoryview(fill), 0
                 while done < size:
                     done += os.pwrite(fd, view[done:], done)
@@ -252,8 +227,9 @@ class GpuService:
         if op in ("alloc", "upload", "upload_fd"):
             src = msg.get("_fd")
             if op == "upload_fd":
-                if src is None:
-                    raise CudaError(INVALID_VALUE, "upload_fd without a descriptor")
+                if src is None or not os.readlink(f"/proc/self/fd/{src}").startswith(
+                        "/memfd:cudahook-sim-device-memory"):
+                    raise CudaError(INVALID_VALUE, "upload_fd without device memory's memfd")
                 size = os.fstat(src).st_size
             else:
                 size = len(payload) if op == "upload" else int(msg["size"])
@@ -284,13 +260,9 @@ class GpuService:
             # waits out the rest (clocks: CLOCK_MONOTONIC, one per host).
             if op == "download":  # small images (VMM mappings): through the socket
                 return {"link_until": until}, bytes(buf)
-            host = memfd(len(buf), "cudahook-sim-host-copy")
-            try:
-                kernel_copy(client.fds[int(msg["handle"])], host, len(buf))
-            except OSError as exc:
-                os.close(host)
-                raise CudaError(UNKNOWN, f"device memory copy failed: {exc}") from exc
-            return {"link_until": until, "size": len(buf), "_fd": host}, b""
+            # The process locked, nothing writes the pages while both hold them.
+            return {"link_until": until, "size": len(buf),
+                    "_fd": os.dup(client.fds[int(msg["handle"])])}, b""
         if op == "digest":
             return {"sha256": hashlib.sha256(self._buffer(client, msg)).hexdigest()}, b""
         if op == "incr":
