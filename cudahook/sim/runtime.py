@@ -87,6 +87,7 @@ class SimCuda:
         self.host_copy: dict[str, int] = {}
         self.lost: str | None = None
         self.restore_tid = 0
+        self.restores = 0  # restores done: a workload may check its memory after each
         self.visible: list[str] = []  # every GPU CUDA sees in this process
         # A --launch-job member (R590+): the driver cannot drive two members
         # of one job at once.
@@ -374,6 +375,7 @@ class SimCuda:
                 raise
             raise CudaError(UNKNOWN, str(exc)) from exc
         self.buffers.update(handles)
+        self.restores += 1
         for fd in self.host_copy.values():
             os.close(fd)  # the host copy is freed once on the GPU again
         self.host_copy = {}
