@@ -51,6 +51,7 @@ from .daemons import (
     Dockerd,
     image_tar,
 )
+from .outcomes import process_tree, still_alive
 
 REPO = Path(__file__).resolve().parents[2]
 JOURNAL = Path("/var/lib/cudahook/journal.json")
@@ -195,12 +196,13 @@ class Node:
             assert st["intact"] and st["errors"] == [] and st["state"] == "running", st
         return self.counters(tags)
 
-    def frozen(self, tags: list[str], for_s: float = 0.3) -> dict[str, int]:
-        before = self.counters(tags)
-        time.sleep(for_s)
-        after = self.counters(tags)
-        assert before == after, f"workloads kept running: {before} -> {after}"
-        return after
+    def frozen(self, tags: list[str], tree: dict[int, int]) -> dict[str, int]:
+        """After a dump (not --leave-running): every process of the
+        container (`tree`, taken before the dump) is gone, so nothing runs
+        on from the checkpoint. The counters the workloads last reported."""
+        alive = still_alive(tree)
+        assert not alive, f"processes still alive after the dump: {alive}"
+        return self.counters(tags)
 
     def resumed(self, tags: list[str]) -> FirstReports:
         """Watch, from now on, for each workload's first report (of a restore)."""
@@ -436,9 +438,10 @@ def test_docker_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) 
         node.wait_running(tags, after)
 
         # 2. a plain checkpoint stops the container where its counters stand.
+        tree = process_tree(pid)
         d.docker("checkpoint", "create", cid, "cp2", timeout=120)
         assert not d.inspect(cid)["State"]["Running"]
-        frozen = node.frozen(tags)
+        frozen = node.frozen(tags, tree)
         images = d.data_root / "containers" / cid / "checkpoints" / "cp2"
         assert (images / "cudahook-manifest.json").is_file()
         node.wait_event(cid, "checkpoint", count=2)
@@ -456,3 +459,49 @@ def test_docker_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) 
         assert_hooked(node, cid, bundle, new_pid)
         node.assert_no_errors(cid)
         d.docker("rm", "-f", cid)
+
+
+def test_docker_recipe_moves_a_checkpoint_onto_other_gpus(node: Node, image: Path,
+                                                          tmp_path: Path) -> None:
+    """README's docker recipe: `docker checkpoint create --checkpoint-dir`, the
+    directory copied into a new container's checkpoints directory (docker
+    20.10 refuses `start --checkpoint-dir`: "custom checkpointdir is not
+    supported"), the new container naming other GPUs started from it with
+    `docker start --checkpoint`. (Both ends on this node's simulated GPUs;
+    tests/e2e/test_migrate.py moves podman and runc checkpoints between nodes.)"""
+    runtimes = json.loads(DAEMON_JSON.read_text())["runtimes"]
+    a, b = node.lab.uuids[:2]
+    spec = gpu_spec(node.lab, "mv")
+    tags = spec.tags
+
+    def create(*extra: str) -> list[str]:
+        args = ["--runtime", "cudahook", "--network", "none", *extra]
+        for host, dest, ro in spec.binds:
+            args += ["--mount", f"type=bind,source={host},target={dest},bind-nonrecursive=true"
+                     + (",readonly" if ro else "")]
+        return args
+
+    with Dockerd(tmp_path / "dockerd", extra_config={"runtimes": runtimes}) as d:
+        name = d.load_image(image)
+        env = [x for e in spec.env for x in ("-e", e)]
+        src = d.docker("run", "-d", *create(*env), name, *spec.cmd).stdout.strip()
+        node.wait_running(tags, steps=3)
+        ckdir = tmp_path / "checkpoints"
+        tree = process_tree(d.pid(src))
+        d.docker("checkpoint", "create", "--checkpoint-dir", str(ckdir), src, "move", timeout=120)
+        frozen = node.frozen(tags, tree)
+        assert (ckdir / "move" / "cudahook-manifest.json").is_file()
+        copied = tmp_path / "transit"
+        shutil.copytree(ckdir, copied)
+        env_b = [x for e in spec.env for x in
+                 ("-e", f"NVIDIA_VISIBLE_DEVICES={b}" if e.startswith("NVIDIA_VISIBLE") else e)]
+        dst = d.docker("create", *create(*env_b), name, *spec.cmd).stdout.strip()
+        shutil.copytree(copied / "move", d.data_root / "containers" / dst / "checkpoints" / "move")
+        with node.resumed(tags) as reports:
+            d.docker("start", "--checkpoint", "move", dst, timeout=120)
+            first = reports.assert_from(frozen, frozen)
+        node.wait_running(tags, first)
+        assert {node.lab.status(t)["gpu"] for t in tags} == {b}
+        (restore,) = node.wait_event(dst, "restore")
+        assert restore["device_map"] == {a: b}
+        d.docker("rm", "-f", src, dst)
