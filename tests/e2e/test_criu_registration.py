@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ from cudahook.platform import criuconf
 from cudahook.sim.runcbox import RuncBox
 
 from .conftest import CRIU, needs_runc
+from .outcomes import assert_dumped
 
 pytestmark = needs_runc
 
@@ -36,6 +38,12 @@ def node(make_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ig
                   runc=str(env.hooks / "cudahook-runtime"))
     yield env, box, root
     box.close()
+
+
+def dumped(env, box: RuncBox, cid: str, tags: list[str]) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """After the dump: every process of the container gone; the counters the
+    workloads last reported (a restore must go on from them)."""
+    return assert_dumped(SimpleNamespace(box=box, counters=env.counters), cid, tags)
 
 
 def dump_log(image: Path) -> str:
@@ -66,7 +74,7 @@ def test_gpu_only_covers_gpu_containers_and_spares_the_rest(node, tmp_path: Path
     assert len(env.events("checkpoint")) == 1
     assert script in dump_log(image)  # CRIU ran it
     assert not copy.exists()  # poststop (the dump ended the container) removed it
-    frozen = env.frozen(tags)
+    frozen = dumped(env, box, cid, tags)
     r = box.restore(cid, bundle, image)
     assert r.returncode == 0, r.stderr
     assert copy.exists()  # the wrapper wrote it again for the restored container
@@ -78,7 +86,7 @@ def test_gpu_only_covers_gpu_containers_and_spares_the_rest(node, tmp_path: Path
     image2 = tmp_path / "img2"
     assert box.checkpoint(cid, image2).returncode == 0
     assert len(env.events("checkpoint")) == 2
-    frozen = env.frozen(tags)
+    frozen = dumped(env, box, cid, tags)
     assert box.restore(cid, bundle, image2).returncode == 0
     env.wait_running(tags, frozen)
 
