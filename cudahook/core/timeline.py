@@ -7,7 +7,6 @@ start and end is what lets `cudahook status` show which.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +37,8 @@ class Timeline:
     def __init__(self) -> None:
         self.origin_wall = time.time()
         self._origin = time.monotonic()
+        import threading  # here: hooks that time no phase do not load it
+
         self._lock = threading.Lock()
         self.steps: list[Step] = []
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -90,6 +89,8 @@ def _with_deadline(fn: Callable[[], _Look], timeout: float) -> _Look | BaseExcep
             box.append(fn())
         except BaseException as exc:  # reported to the caller, below
             box.append(exc)
+
+    import threading  # here: only a VMM scan needs it at hook start
 
     t = threading.Thread(target=run, name="vmm-scan", daemon=True)
     t.start()
