@@ -577,15 +577,14 @@ def _with_states(ctx: Context, procs: list[Any]) -> list[Any]:
     first anyway, and takes them as fresh, so no call is added. A state
     that cannot be read stays unknown: the checkpoint reads it again and
     refuses before locking anything."""
-    import dataclasses
-
+    from cudahook.core.discovery import CudaProcess
     from cudahook.core.timeline import Timeline
 
     unknown = [p.pid for p in procs if p.state is None]
     if not unknown:
         return procs
     states, _ = ctx.engine.read_states(unknown, Timeline())
-    return [dataclasses.replace(p, state=states[p.pid]) if p.state is None and p.pid in states
+    return [CudaProcess(p.pid, p.nspid, states[p.pid]) if p.state is None and p.pid in states
             else p for p in procs]
 
 

@@ -60,7 +60,6 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
     """
     import subprocess
     import sys
-    from dataclasses import asdict
 
     hook = os.getpid()
     args = {
@@ -69,7 +68,7 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
         "hook": [hook, ctx.host.start_time(hook)],
         "container": cid,
         "procs": procs,
-        "settings": asdict(ctx.settings),
+        "settings": ctx.settings.as_dict(),
         "run": str(run_path),
         "vmm": {"dir": str(vmm_dir(run_path)), "nspids": {str(p): n for p, n in vmm_nspids.items()}},
     }
