@@ -12,7 +12,6 @@ result is recorded unsafe, never "resumed".
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import select
@@ -143,6 +142,7 @@ def main(arg: str) -> int:
     from cudahook.platform.config import Settings
     from cudahook.platform.errors import CudahookError
 
+    from . import results
     from .context import Context
 
     args = json.loads(arg)
@@ -187,15 +187,10 @@ def main(arg: str) -> int:
         error = f"could not bring the workload back onto its GPU: {exc}"
         ctx.log("guardian", container=cid, pids=alive, error=error,
                 vmm_state=keep["dir"] if keep else None)
-        if cid:
-            with contextlib.suppress(OSError, CudahookError):
-                ctx.store.remember(cid, "resume", {"time": time.time(), "ok": False,
-                                                   "unsafe": True, "error": error})
+        results.remember(ctx, cid, "resume", ok=False, unsafe=True, error=error)
         return 1
     _drop(keep)
     ctx.log("guardian", container=cid, pids=alive, outcome="resumed on GPU after the dump",
             total_s=result.timeline.total(), timeline=result.timeline.to_dict())
-    if cid:
-        with contextlib.suppress(OSError, CudahookError):
-            ctx.store.remember(cid, "resume", {"time": time.time(), "ok": True, "pids": alive})
+    results.remember(ctx, cid, "resume", ok=True, pids=alive)
     return 0

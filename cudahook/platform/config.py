@@ -56,6 +56,11 @@ class Settings:
     # How long a gone container's last results (and, when poststop never ran,
     # its record) stay in the state directory, which is RAM.
     state_retention_s: float = 86400.0
+    # CRIU, as `cudahook check` finds it (the hooks never run it: CRIU runs them).
+    criu: str = "criu"
+    # Prometheus metrics for node_exporter's textfile collector; None: under
+    # the state directory. "" turns them off.
+    metrics_file: str | None = None
 
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)
