@@ -66,6 +66,7 @@ class Verdict:
     facts: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
     cached: bool = False
+    found: Discovery | None = field(default=None, repr=False)  # checkpoint side: what was found
 
     @property
     def ok(self) -> bool:
@@ -127,32 +128,28 @@ class Verdict:
 
 
 def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[int] | None = None,
-                      found: Discovery | None = None, image_dir: Path | None = None,
-                      full: bool = True, container: str | None = None) -> Verdict:
+                      image_dir: Path | None = None, full: bool = True,
+                      container: str | None = None) -> Verdict:
     """Whether a checkpoint of the container (`init_pid`) or of `pids` can
-    succeed now.
+    succeed now. The processes found are in `verdict.found`.
 
     `full=False` is pre-dump's cut: CRIU is already running (no version
-    check), a paused container is thawed by pre-dump itself, discovery has
-    just run (`found`), and the VMM interposer is checked by its own prepare
-    step. Every other check costs a /proc read or shares the nvidia-smi call
-    the checkpoint makes anyway, except the GPU memory query (one nvidia-smi
-    call), which guards against the worst outcome: the OOM killer.
+    check), a paused container is thawed by pre-dump itself, discovery looks
+    only at processes holding NVIDIA device files, and the VMM interposer is
+    checked by its own prepare step. What is left costs a /proc read or
+    shares the nvidia-smi call the checkpoint makes anyway, except the GPU
+    memory query (one nvidia-smi call), which guards against the worst
+    outcome: the OOM killer in the middle of a checkpoint.
     """
     v = Verdict("checkpoint", {"container": container, "init_pid": init_pid, "pids": pids})
-    if found is not None and not found.processes:
-        _nvml(ctx, v, found, [])  # no CUDA state: only what CRIU itself cannot dump
-        return v
-    feats = _driver(ctx, v)
+    feats = None
     if full:
+        feats = _driver(ctx, v)
         _criu(ctx, v)
-    _criu_plugin(v)
-    if v.problems and any(p.code in ("DRIVER_UNKNOWN", "CHECKPOINT_TOOL_MISSING")
-                          for p in v.problems):
-        return v  # nothing about the processes can be learnt without the driver
-    procs: list[CudaProcess]
-    if found is None:
-        if init_pid is not None and full:
+        _criu_plugin(v)
+        if any(p.code in ("DRIVER_UNKNOWN", "CHECKPOINT_TOOL_MISSING") for p in v.problems):
+            return v  # nothing about the processes can be learnt without the driver
+        if init_pid is not None:
             v.checked.append("paused")
             try:
                 if ctx.host.is_frozen(init_pid):
@@ -160,43 +157,48 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
                     return v
             except OSError as exc:
                 v.warnings.append(f"cannot read the container's freezer: {exc}")
-        if _stopped(ctx, v, _member_pids(ctx, init_pid, pids)):
-            return v
-        discovered = _discover(ctx, v, init_pid, pids)
-        if discovered is None:
-            return v
-        found, procs = discovered
-    else:
-        procs = list(found.processes)
-        _stopped(ctx, v, [p.pid for p in procs])
+    # Before any cuda-checkpoint call: a stopped process makes each one hang
+    # until its deadline (minutes).
+    if _stopped(ctx, v, _member_pids(ctx, init_pid, pids)):
+        return v
+    discovered = _discover(ctx, v, init_pid, pids, every=full)
+    if discovered is None:
+        return v
+    v.found, procs = discovered
     v.facts["cuda_processes"] = [p.pid for p in procs]
-    _nvml(ctx, v, found, procs)
+    _nvml(ctx, v, v.found, procs)
+    if not procs:
+        return v  # no CUDA state: only what CRIU itself cannot dump matters
+    if not full:
+        feats = _driver(ctx, v)
+        _criu_plugin(v)
     _states(ctx, v, procs)
     if feats is not None:
         _job_support(ctx, v, feats, procs)
-    if full and procs:
+    if full:
         _vmm(ctx, v, procs)
-    if procs:
-        _persistence(ctx, v, container)
-        gpu = _gpu_memory(ctx, v, procs)
-        _host_memory(ctx, v, procs, gpu)
-        if image_dir is not None:
-            _image_space(ctx, v, init_pid, pids, image_dir, gpu)
+    _persistence(ctx, v, container)
+    gpu = _gpu_memory(ctx, v, procs)
+    _host_memory(ctx, v, procs, gpu)
+    if image_dir is not None:
+        _image_space(ctx, v, init_pid, pids, image_dir, gpu)
     return v
 
 
 def _driver(ctx: Context, v: Verdict) -> Any:
     v.checked.append("driver")
     try:
+        if ctx.backend.name != "driver-api" and not os.access(ctx.settings.tool("cuda_checkpoint"),
+                                                       os.X_OK):
+            v.add("CHECKPOINT_TOOL_MISSING",
+                  f"not found at {ctx.settings.tool('cuda_checkpoint')}")
+            return None
         feats = ctx.backend.features
     except CudahookError as exc:
         v.add("DRIVER_UNKNOWN", str(exc))
         return None
     v.facts["driver_version"] = feats.version
     v.facts["backend"] = ctx.backend.name
-    if ctx.backend.name == "cli" and not os.access(ctx.settings.tool("cuda_checkpoint"), os.X_OK):
-        v.add("CHECKPOINT_TOOL_MISSING", f"not found at {ctx.settings.tool('cuda_checkpoint')}")
-        return feats
     if not feats.toggle and not feats.actions:
         v.add("DRIVER_TOO_OLD", f"driver {feats.version or '(unknown)'} has no checkpoint "
               "support (R550 or newer needed)")
@@ -259,15 +261,19 @@ def _stopped(ctx: Context, v: Verdict, pids: list[int]) -> bool:
     return bool(bad)
 
 
-def _discover(ctx: Context, v: Verdict, init_pid: int | None,
-              pids: list[int] | None) -> tuple[Discovery, list[CudaProcess]] | None:
+def _discover(ctx: Context, v: Verdict, init_pid: int | None, pids: list[int] | None,
+              *, every: bool) -> tuple[Discovery, list[CudaProcess]] | None:
+    """`every`: probe every process of the container, not only those with
+    NVIDIA device files open - an already checkpointed process holds none,
+    and a dump would take it without its GPU state. One driver probe per
+    process: for `cudahook check`, not for pre-dump."""
     from cudahook.core.discovery import CudaProcess, Discovery, discover
 
     v.checked.append("processes")
     try:
         if init_pid is not None:
             found = discover(ctx.host, ctx.backend, init_pid, ctx.settings.device_regex,
-                             max_parallel=ctx.settings.max_parallel)
+                             require_device_fd=not every, max_parallel=ctx.settings.max_parallel)
             v.warnings += found.warnings
             return found, list(found.processes)
         found = Discovery(init_pid=0, scope="pids", scanned=len(pids or []))
@@ -277,7 +283,9 @@ def _discover(ctx: Context, v: Verdict, init_pid: int | None,
         found.processes = procs
         return found, procs
     except CudahookError as exc:
-        v.add("PROCESS_UNREADABLE", str(exc))
+        # The driver's version unknown, or no tool: that, not the processes.
+        v.add(exc.reason or ("DRIVER_UNKNOWN" if exc.exit_code == Exit.ENVIRONMENT
+                             else "PROCESS_UNREADABLE"), str(exc))
     except Exception as exc:  # a process gone or unreadable: say which, do not guess
         v.add("PROCESS_UNREADABLE", f"{type(exc).__name__}: {exc}")
     return None

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from cudahook.core import manifest
-from cudahook.core.discovery import describe_holders, device_files, discover
+from cudahook.core.discovery import describe_holders, device_files
 from cudahook.platform.errors import (
     CudahookError,
     EnvironmentProblem,
@@ -159,25 +159,24 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         ctx.log("pre-dump", container=cid, skipped="disabled by annotation")
         return Exit.OK
 
-    # 2. Discover its CUDA processes. Hazard: a probe that times out is not
-    #    "not CUDA" - discovery fails instead, or a process would be dumped
-    #    with live GPU state. Nothing touched yet: a failure needs no undo.
-    found = discover(ctx.host, ctx.backend, init_pid, ctx.settings.device_regex,
-                     max_parallel=ctx.settings.max_parallel)
-    for w in found.warnings:
-        ctx.log("pre-dump", container=cid, warning=w)
-    # Hazards: everything `cudahook check` knows would make this checkpoint
-    # fail - NVIDIA device files CRIU cannot dump (an NVML monitor), CRIU's
-    # own CUDA plugin acting on the same processes, a process not running,
-    # stopped or traced, too little host memory or image space, persistence
-    # off. The same checks (hooks/checks.py), refused with their reason
-    # code before anything is locked: the workload never notices.
-    verdict = checks.checkpoint_checks(ctx, init_pid=init_pid, found=found, full=False,
+    # 2. Discover its CUDA processes, and check everything `cudahook check`
+    #    knows would make this checkpoint fail: NVIDIA device files CRIU
+    #    cannot dump (an NVML monitor), CRIU's own CUDA plugin acting on the
+    #    same processes, a process stopped or traced (cuda-checkpoint would
+    #    hang on it), not running, failed; too little host memory or image
+    #    space; persistence off. The same checks (hooks/checks.py), refused
+    #    with their reason code before anything is locked. Hazard: a probe
+    #    that times out is not "not CUDA" - it refuses too, or a process
+    #    would be dumped with live GPU state. Nothing touched: no undo.
+    verdict = checks.checkpoint_checks(ctx, init_pid=init_pid, full=False,
                                        image_dir=call.image_dir, container=cid)
+    for w in verdict.warnings:
+        ctx.log("pre-dump", container=cid, warning=w)
     checks.remember(ctx, cid, verdict)
-    if not verdict.ok:
-        return _refuse(ctx, cid, init_pid, len(found.processes), verdict.hook_exit,
-                       verdict.message() + "; nothing was locked",
+    found = verdict.found
+    if not verdict.ok or found is None:
+        return _refuse(ctx, cid, init_pid, len(found.processes) if found else 0,
+                       verdict.hook_exit, verdict.message() + "; nothing was locked",
                        reasons=[p.code for p in verdict.problems])
     if not found.processes:
         ctx.log("pre-dump", container=cid, init_pid=init_pid, cuda_processes=0)

@@ -19,13 +19,14 @@ if TYPE_CHECKING:
 
 
 def remember(ctx: Context, cid: str | None, kind: str, **result: Any) -> None:
-    """Keep the last `kind` result of the container and count it."""
-    if not cid:
-        return
+    """Keep the last `kind` result of the container and count it. A
+    container the OCI hook never saw has no id: its outcomes are counted
+    under container="" (one series, not one per init PID)."""
     result = {"time": time.time(), **result}
-    with contextlib.suppress(OSError, CudahookError):
-        ctx.store.remember(cid, kind, result)
-    count(ctx, cid, kind, result)
+    if cid:
+        with contextlib.suppress(OSError, CudahookError):
+            ctx.store.remember(cid, kind, result)
+    count(ctx, cid or "", kind, result)
 
 
 def count(ctx: Context, cid: str, kind: str, result: dict[str, Any]) -> None:
