@@ -123,6 +123,7 @@ def discover(
     *,
     require_device_fd: bool = True,
     max_parallel: int = 64,
+    members: tuple[list[int], str] | None = None,
 ) -> Discovery:
     """CUDA processes of the container.
 
@@ -131,7 +132,8 @@ def discover(
     process holds none, so restore-time discovery (`require_device_fd=False`)
     probes every process of the container instead.
     """
-    pids, scope = container_pids(host, init_pid)
+    # `members`: container_pids(host, init_pid) as the caller just read it.
+    pids, scope = members if members is not None else container_pids(host, init_pid)
     result = Discovery(init_pid=init_pid, scope=scope, scanned=len(pids))
     for pid in pids:
         try:

@@ -142,6 +142,20 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
     outcome: the OOM killer in the middle of a checkpoint.
     """
     v = Verdict("checkpoint", {"container": container, "init_pid": init_pid, "pids": pids})
+    # The two nvidia-smi calls run beside discovery, not after it: each costs
+    # a driver attach, and discovery waits on the driver too.
+    gpus = _Background(lambda: ctx.gpus)
+    apps = _Background(lambda: ctx.host.run([ctx.settings.tool("nvidia_smi"), *APPS_QUERY], 30))
+    try:
+        return _checkpoint_checks(ctx, v, init_pid, pids, image_dir, full, container, apps)
+    finally:
+        gpus.join()
+        apps.join()
+
+
+def _checkpoint_checks(ctx: Context, v: Verdict, init_pid: int | None, pids: list[int] | None,
+                       image_dir: Path | None, full: bool, container: str | None,
+                       apps: _Background) -> Verdict:
     feats = None
     if full:
         feats = _driver(ctx, v)
@@ -159,9 +173,10 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
                 v.warnings.append(f"cannot read the container's freezer: {exc}")
     # Before any cuda-checkpoint call: a stopped process makes each one hang
     # until its deadline (minutes).
-    if _stopped(ctx, v, _member_pids(ctx, init_pid, pids)):
+    members = _members(ctx, init_pid)
+    if _stopped(ctx, v, list(pids) if pids else (members or ([], ""))[0]):
         return v
-    discovered = _discover(ctx, v, init_pid, pids, every=full)
+    discovered = _discover(ctx, v, init_pid, pids, every=full, members=members)
     if discovered is None:
         return v
     v.found, procs = discovered
@@ -178,10 +193,11 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
     if full:
         _vmm(ctx, v, procs)
     _persistence(ctx, v, container)
-    gpu = _gpu_memory(ctx, v, procs)
+    gpu = _gpu_memory(v, procs, apps)
     _host_memory(ctx, v, procs, gpu)
     if image_dir is not None:
-        _image_space(ctx, v, init_pid, pids, image_dir, gpu)
+        _image_space(ctx, v, list(pids) if pids else (members or ([init_pid], ""))[0],
+                     image_dir, gpu)
     return v
 
 
@@ -236,15 +252,18 @@ def _criu_plugin(v: Verdict) -> None:
               f"and would {verb} the same processes")
 
 
-def _member_pids(ctx: Context, init_pid: int | None, pids: list[int] | None) -> list[int]:
+def _members(ctx: Context, init_pid: int | None) -> tuple[list[int], str] | None:
+    """The container's processes (and how they were found), read once for
+    the stopped check, discovery and the image size; None when unreadable
+    (discovery then says why)."""
     from cudahook.core.discovery import container_pids
 
-    if pids:
-        return list(pids)
+    if init_pid is None:
+        return None
     try:
-        return container_pids(ctx.host, init_pid)[0] if init_pid else []
+        return container_pids(ctx.host, init_pid)
     except Exception:
-        return [init_pid] if init_pid else []
+        return None
 
 
 def _stopped(ctx: Context, v: Verdict, pids: list[int]) -> bool:
@@ -262,7 +281,8 @@ def _stopped(ctx: Context, v: Verdict, pids: list[int]) -> bool:
 
 
 def _discover(ctx: Context, v: Verdict, init_pid: int | None, pids: list[int] | None,
-              *, every: bool) -> tuple[Discovery, list[CudaProcess]] | None:
+              *, every: bool, members: tuple[list[int], str] | None
+              ) -> tuple[Discovery, list[CudaProcess]] | None:
     """`every`: probe every process of the container, not only those with
     NVIDIA device files open - an already checkpointed process holds none,
     and a dump would take it without its GPU state. One driver probe per
@@ -273,7 +293,8 @@ def _discover(ctx: Context, v: Verdict, init_pid: int | None, pids: list[int] | 
     try:
         if init_pid is not None:
             found = discover(ctx.host, ctx.backend, init_pid, ctx.settings.device_regex,
-                             require_device_fd=not every, max_parallel=ctx.settings.max_parallel)
+                             require_device_fd=not every, max_parallel=ctx.settings.max_parallel,
+                             members=members)
             v.warnings += found.warnings
             return found, list(found.processes)
         found = Discovery(init_pid=0, scope="pids", scanned=len(pids or []))
@@ -390,13 +411,45 @@ def _persistence(ctx: Context, v: Verdict, container: str | None) -> None:
         v.add("PERSISTENCE_OFF", f"disabled on GPU {', '.join(off)}")
 
 
-def _gpu_memory(ctx: Context, v: Verdict, procs: list[CudaProcess]) -> dict[int, int] | None:
+APPS_QUERY = ("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+
+
+class _Background:
+    """fn() in a thread from now on; its result (or exception) at `result`."""
+
+    def __init__(self, fn: Any):
+        import threading
+
+        self._box: list[tuple[bool, Any]] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Any) -> None:
+        try:
+            self._box.append((True, fn()))
+        except BaseException as exc:  # handed to whoever asks for the result
+            self._box.append((False, exc))
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        ok, value = self._box[0]
+        if not ok:
+            raise value
+        return value
+
+
+def _gpu_memory(v: Verdict, procs: list[CudaProcess], apps: _Background) -> dict[int, int] | None:
     """Bytes of GPU memory each CUDA process uses (nvidia-smi
     --query-compute-apps); None when nvidia-smi cannot say."""
     v.checked.append("gpu memory")
-    smi = ctx.settings.tool("nvidia_smi")
-    r = ctx.host.run([smi, "--query-compute-apps=pid,used_memory",
-                      "--format=csv,noheader,nounits"], 30)
+    try:
+        r = apps.result()
+    except Exception as exc:
+        v.warnings.append(f"GPU memory in use unknown: nvidia-smi: {exc}")
+        return None
     if not r.ok:
         v.warnings.append("GPU memory in use unknown: nvidia-smi --query-compute-apps failed")
         return None
@@ -442,12 +495,12 @@ def _host_memory(ctx: Context, v: Verdict, procs: list[CudaProcess],
                   f"the memory limit of cgroup {where}")
 
 
-def _image_space(ctx: Context, v: Verdict, init_pid: int | None, pids: list[int] | None,
-                 image_dir: Path, gpu: dict[int, int] | None) -> None:
+def _image_space(ctx: Context, v: Verdict, pids: list[int], image_dir: Path,
+                 gpu: dict[int, int] | None) -> None:
     v.checked.append("image space")
     rss = 0
     page = os.sysconf("SC_PAGE_SIZE")
-    for pid in _member_pids(ctx, init_pid, pids):
+    for pid in pids:
         with contextlib.suppress(Exception):
             rss += int(ctx.host.read(pid, "statm").split()[1]) * page
     need = rss + sum((gpu or {}).values())

@@ -172,9 +172,9 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
                                        image_dir=call.image_dir, container=cid)
     for w in verdict.warnings:
         ctx.log("pre-dump", container=cid, warning=w)
-    checks.remember(ctx, cid, verdict)
     found = verdict.found
     if not verdict.ok or found is None:
+        checks.remember(ctx, cid, verdict)
         return _refuse(ctx, cid, init_pid, len(found.processes) if found else 0,
                        verdict.hook_exit, verdict.message() + "; nothing was locked",
                        reasons=[p.code for p in verdict.problems])
