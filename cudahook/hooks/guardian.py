@@ -47,6 +47,7 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
         "procs": procs,
         "settings": asdict(ctx.settings),
         "vmm": vmm_keep,
+        "handed_over": time.time(),  # pre-dump's end: CRIU dumps from here to its exit
     }
     subprocess.Popen(
         [sys.executable, "-I", "-c", "import sys; from cudahook.hooks.guardian import main; "
@@ -154,6 +155,10 @@ def main(arg: str) -> int:
         ctx.log("guardian", container=cid, error=f"CRIU (pid {args['criu_pid']}) still "
                 f"running after {MAX_WAIT_S}s: the workload is left checkpointed")
         return 1
+    # CRIU's own dump time, as seen from here: pre-dump's end to CRIU's exit.
+    if isinstance(args.get("handed_over"), (int, float)):
+        results.count(ctx, cid or "", "criu-dump",
+                      {"criu_dump_s": max(0.0, time.time() - args["handed_over"])})
     # The tasks of a completed dump are being killed; let that land.
     time.sleep(0.05)
     alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]

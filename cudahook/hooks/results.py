@@ -48,6 +48,10 @@ def _changes(cid: str, kind: str, r: dict[str, Any]) -> Any:
     codes = [x for x in (r.get("reasons") or []) if isinstance(x, str)]
     if kind == "check":
         return c.set("cudahook_last_check_ok", 1 if ok else 0, side=str(r.get("side")))
+    if kind == "criu-dump":
+        seconds = float(r["criu_dump_s"])
+        c.observe("cudahook_phase_duration_seconds", seconds, phase="criu_dump")
+        return c.set("cudahook_last_phase_duration_seconds", seconds, phase="criu_dump")
     if kind == "resume":
         return c.inc("cudahook_guardian_resumes_total", outcome="ok" if ok else "failed")
     if kind not in ("checkpoint", "restore"):

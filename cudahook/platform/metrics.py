@@ -49,7 +49,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "counter", "GPU memory moved between GPU and host, by direction."),
     "cudahook_phase_duration_seconds": (
         "summary", "Duration of each phase (lock, checkpoint, restore, unlock, toggle, "
-        "vmm_prepare, vmm_restore, criu_restore, total)."),
+        "vmm_prepare, vmm_restore, criu_dump, criu_restore, total)."),
     "cudahook_last_phase_duration_seconds": (
         "gauge", "Duration of the phase in the container's last checkpoint or restore."),
     "cudahook_last_transfer_gigabytes_per_second": (

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +102,16 @@ def test_checkpoint_and_restore_are_checked_and_counted(make_env, tmp_path) -> N
     assert r.returncode == 0, r.stderr
     env.wait_running(tags, frozen)
     assert tree_digest(image) == digest  # the restore wrote nothing into the image
-    found = samples(env.state_dir / metrics.DEFAULT_NAME)
+    # The guardian counts CRIU's dump once CRIU has exited: it may still be at it.
+    deadline = time.monotonic() + 30
+    while value(found := samples(env.state_dir / metrics.DEFAULT_NAME),
+                "cudahook_phase_duration_seconds_count", container=cid, phase="criu_dump") is None:
+        assert time.monotonic() < deadline, found
+        time.sleep(0.05)
     for kind in ("checkpoints", "restores"):
         assert value(found, f"cudahook_{kind}_total", container=cid, outcome="ok") == 1
     for phase in ("lock", "checkpoint", "restore", "unlock", "vmm_prepare", "vmm_restore",
-                  "criu_restore"):
+                  "criu_dump", "criu_restore"):
         assert value(found, "cudahook_phase_duration_seconds_count", container=cid,
                      phase=phase) == 1, phase
     assert value(found, "cudahook_gpu_memory_moved_bytes_total", container=cid,
