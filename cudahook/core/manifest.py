@@ -33,7 +33,8 @@ class ManifestError(CudahookError):
 # cudahook's own files in an image are checksummed up to this size (the VMM
 # state is capped at 1 GiB where it is copied, see vmm/coordinator.py).
 MAX_FILE_BYTES = 1 << 30
-# Hashing a large file on a slow mount must not hold a hook past this.
+# Hashing must not hold a hook past this (all files together): 1 GiB takes
+# a few seconds from a local disk, more from a network mount.
 HASH_TIMEOUT_S = 120.0
 
 
@@ -64,12 +65,20 @@ def verify_files(image_dir: Path, data: dict[str, Any]) -> list[tuple[str, str]]
     """(file, problem) for each file the manifest names that is missing,
     not a regular file, or not the file that was checksummed. A manifest
     written before checksums were recorded names none: nothing to verify."""
+    import time
+
     from cudahook.platform import safeio
 
     out = []
+    # One budget for all of them: a manifest may name up to 64 files.
+    deadline = time.monotonic() + HASH_TIMEOUT_S
     for name, want in sorted((data.get("files") or {}).items()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            out.append((name, f"not verified within {HASH_TIMEOUT_S:g}s"))
+            continue
         try:
-            got, size = safeio.sha256_file(image_dir / name, MAX_FILE_BYTES, HASH_TIMEOUT_S)
+            got, size = safeio.sha256_file(image_dir / name, MAX_FILE_BYTES, left)
         except FileNotFoundError:
             out.append((name, "missing"))
             continue

@@ -163,14 +163,16 @@ def _checkpoint_checks(ctx: Context, v: Verdict, init_pid: int | None, pids: lis
         _criu_plugin(v)
         if any(p.code in ("DRIVER_UNKNOWN", "CHECKPOINT_TOOL_MISSING") for p in v.problems):
             return v  # nothing about the processes can be learnt without the driver
-        if init_pid is not None:
-            v.checked.append("paused")
+        # A frozen process's restore thread cannot run: every cuda-checkpoint
+        # call on it hangs. Pre-dump thaws the container itself.
+        v.checked.append("paused")
+        for pid in [init_pid] if init_pid is not None else list(pids or []):
             try:
-                if ctx.host.is_frozen(init_pid):
-                    v.add("CONTAINER_PAUSED", f"the cgroup of pid {init_pid} is frozen")
+                if ctx.host.is_frozen(pid):
+                    v.add("CONTAINER_PAUSED", f"the cgroup of pid {pid} is frozen")
                     return v
-            except OSError as exc:
-                v.warnings.append(f"cannot read the container's freezer: {exc}")
+            except Exception as exc:  # unreadable is not paused: discovery will say more
+                v.warnings.append(f"cannot read the freezer of pid {pid}: {exc}")
     # Before any cuda-checkpoint call: a stopped process makes each one hang
     # until its deadline (minutes).
     members = _members(ctx, init_pid)
@@ -204,10 +206,9 @@ def _checkpoint_checks(ctx: Context, v: Verdict, init_pid: int | None, pids: lis
 def _driver(ctx: Context, v: Verdict) -> Any:
     v.checked.append("driver")
     try:
-        if ctx.backend.name != "driver-api" and not os.access(ctx.settings.tool("cuda_checkpoint"),
-                                                       os.X_OK):
-            v.add("CHECKPOINT_TOOL_MISSING",
-                  f"not found at {ctx.settings.tool('cuda_checkpoint')}")
+        tool = ctx.settings.tool("cuda_checkpoint")
+        if ctx.backend.name != "driver-api" and not os.access(tool, os.X_OK):
+            v.add("CHECKPOINT_TOOL_MISSING", f"not found at {tool}")
             return None
         feats = ctx.backend.features
     except CudahookError as exc:
