@@ -15,18 +15,16 @@ paths call it: a container without a GPU never gets here.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
 from pathlib import Path
 
-from .atomic import write_atomic, write_json_atomic
+from .atomic import write_atomic
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Iterable
     from typing import Any
 
     from .config import Settings
@@ -116,62 +114,75 @@ def _update(settings: Settings, target: Path, changes: Changes, now: float) -> b
     ensure_private_dir(state_path.parent)
     fd = lock_file(state_path.with_suffix(".lock"), timeout_s=LOCK_WAIT_S)
     try:
-        state = read_json(state_path)
-        state = state if isinstance(state, dict) and isinstance(state.get("series"), dict) else {
-            "series": {}, "containers": {}}
-        series: dict[str, float] = state["series"]
-        containers: dict[str, dict[str, Any]] = state.setdefault("containers", {})
+        state = _valid(read_json(state_path))
+        containers: dict[str, dict[str, Any]] = state["containers"]
         info = containers.setdefault(changes.container, {})
         if changes.gpu_model:
             info["gpu_model"] = changes.gpu_model
         info["seen"] = now
         base = {"container": changes.container, "gpu_model": info.get("gpu_model") or "unknown"}
+        series: list[list[Any]] = state["series"]
+        index = {_key(e[0], e[1], e[2]): e for e in series}
+
+        def add(name: str, part: str, labels: dict[str, str], value: float, op: str) -> None:
+            key = _key(name, part, labels)
+            entry = index.get(key)
+            if entry is None:
+                entry = index[key] = [name, part, labels, 0.0]
+                series.append(entry)
+            entry[3] = value if op == "set" else entry[3] + value
+
         for op, name, labels, value in changes.ops:
-            key = _key(name, {**base, **labels})
-            if op == "inc":
-                series[key] = series.get(key, 0.0) + value
-            elif op == "set":
-                series[key] = value
+            full = {**base, **labels}
+            if op == "observe":
+                add(name, "sum", full, value, "inc")
+                add(name, "count", full, 1.0, "inc")
             else:
-                series[key + "\0sum"] = series.get(key + "\0sum", 0.0) + value
-                series[key + "\0count"] = series.get(key + "\0count", 0.0) + 1
-        series[_key("cudahook_last_event_timestamp_seconds", base)] = now
+                add(name, "", full, value, op)
+        add("cudahook_last_event_timestamp_seconds", "", base, now, "set")
         _prune(state, now - settings.state_retention_s)
-        write_json_atomic(state_path, state)
+        # Derived data, rewritten at every event: compact, and not fsynced (a
+        # crash loses at most the last events; a damaged state starts over,
+        # which Prometheus reads as a counter reset).
+        write_atomic(state_path, json.dumps(state, separators=(",", ":")).encode(),
+                     durable=False)
         if target.parent != state_path.parent:
             target.parent.mkdir(parents=True, exist_ok=True)
         # Readable by node_exporter, which need not run as root.
-        write_atomic(target, render(series).encode(), mode=0o644)
+        write_atomic(target, render(state["series"]).encode(), mode=0o644, durable=False)
         return True
     finally:
         os.close(fd)
 
 
-def _key(name: str, labels: dict[str, str]) -> str:
-    return name + json.dumps(sorted(labels.items()), separators=(",", ":"))
+def _valid(data: Any) -> dict[str, Any]:
+    """The state as `_update` writes it; entries of any other shape dropped."""
+    if not isinstance(data, dict):
+        return {"containers": {}, "series": []}
+    containers = data.get("containers")
+    containers = {str(k): v for k, v in containers.items() if isinstance(v, dict)} if isinstance(
+        containers, dict) else {}
+    series = [e for e in (data.get("series") if isinstance(data.get("series"), list) else [])
+              if isinstance(e, list) and len(e) == 4 and e[0] in FAMILIES
+              and isinstance(e[1], str) and isinstance(e[2], dict)
+              and all(isinstance(k, str) and isinstance(v, str) for k, v in e[2].items())
+              and isinstance(e[3], (int, float)) and not isinstance(e[3], bool)]
+    return {"containers": containers, "series": series}
 
 
-def _split(key: str) -> tuple[str, dict[str, str], str]:
-    key, _, part = key.partition("\0")
-    i = key.index("[")
-    return key[:i], dict(json.loads(key[i:])), part
+def _key(name: str, part: str, labels: dict[str, str]) -> tuple[Any, ...]:
+    return (name, part, tuple(sorted(labels.items())))
 
 
 def _prune(state: dict[str, Any], cutoff: float) -> None:
-    """Drop the series of containers not seen since `cutoff`; and of one
-    whose label was rewritten (a GPU model learnt later), the stale copies."""
+    """Drop the series of containers not seen since `cutoff`."""
     gone = {c for c, info in state["containers"].items()
-            if not isinstance(info, dict) or float(info.get("seen") or 0) < cutoff}
+            if not isinstance(info.get("seen"), (int, float)) or info["seen"] < cutoff}
     for c in gone:
         del state["containers"][c]
-    for key in list(state["series"]):
-        try:
-            _, labels, _ = _split(key)
-        except (ValueError, TypeError):
-            del state["series"][key]
-            continue
-        if labels.get("container") in gone:
-            del state["series"][key]
+    state["series"] = [e for e in state["series"]
+                       if e[2].get("container") not in gone
+                       and e[2].get("container") in state["containers"]]
 
 
 def _escape(value: str) -> str:
@@ -182,23 +193,18 @@ def _number(v: float) -> str:
     return repr(int(v)) if float(v).is_integer() and abs(v) < 1 << 53 else repr(float(v))
 
 
-def render(series: dict[str, float]) -> str:
+def render(series: list[list[Any]]) -> str:
     """The text exposition format (version 0.0.4) of every series, grouped by family."""
     by_family: dict[str, list[tuple[str, dict[str, str], float]]] = {}
-    for key, value in series.items():
-        try:
-            name, labels, part = _split(key)
-        except (ValueError, TypeError):
-            continue
-        if name not in FAMILIES:
-            continue
+    for name, part, labels, value in series:
         sample = f"{name}_{part}" if part else name
         by_family.setdefault(name, []).append((sample, labels, value))
     lines = []
     for name in sorted(by_family):
         kind, text = FAMILIES[name]
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-        for sample, labels, value in sorted(by_family[name], key=lambda s: (s[1].items(), s[0])):
+        for sample, labels, value in sorted(by_family[name],
+                                            key=lambda s: (sorted(s[1].items()), s[0])):
             body = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
             lines.append(f"{sample}{{{body}}} {_number(value)}")
     return "\n".join(lines) + "\n"
@@ -208,22 +214,17 @@ def read_state(settings: Settings) -> dict[str, Any]:
     """The series as `cudahook status --json` shows them."""
     from .store import read_json
 
-    with contextlib.suppress(Exception):
-        state = read_json(Path(settings.state_dir) / STATE_NAME)
-        if isinstance(state, dict):
-            return state
-    return {"series": {}, "containers": {}}
+    try:
+        return _valid(read_json(Path(settings.state_dir) / STATE_NAME))
+    except Exception:
+        return _valid(None)
 
 
 def per_container(settings: Settings) -> dict[str, dict[str, Any]]:
     """container -> {"gpu_model", "series": {sample{labels}: value}} for status."""
-    state = read_state(settings)
     out: dict[str, dict[str, Any]] = {}
-    for key, value in (state.get("series") or {}).items():
-        try:
-            name, labels, part = _split(key)
-        except (ValueError, TypeError):
-            continue
+    for name, part, labels, value in read_state(settings)["series"]:
+        labels = dict(labels)
         cid = labels.pop("container", "")
         model = labels.pop("gpu_model", "")
         entry = out.setdefault(cid, {"gpu_model": model, "series": {}})
@@ -247,8 +248,3 @@ def phases(timeline: dict[str, Any] | None) -> dict[str, float]:
         lo, hi = spans.get(name, (start, end))
         spans[name] = (min(lo, start), max(hi, end))
     return {name.replace("-", "_"): hi - lo for name, (lo, hi) in spans.items()}
-
-
-def families(text: str) -> Iterable[str]:
-    """The family names in a rendered file (for tests and doctor)."""
-    return [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
