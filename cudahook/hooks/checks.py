@@ -243,6 +243,11 @@ def _criu(ctx: Context, v: Verdict) -> None:
 
 
 def _criu_plugin(v: Verdict) -> None:
+    """CRIU's own CUDA plugin locks at seize and checkpoints at dump on its
+    own: after cudahook's checkpoint its lock fails ("illegal state") and
+    the dump with it; its restore has no device map, no rollback, no VMM
+    step, and runs before post-resume. Two owners of one process's CUDA
+    state is never safe."""
     from . import criu_env
 
     v.checked.append("criu cuda plugin")

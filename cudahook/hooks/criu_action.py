@@ -375,9 +375,9 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     verdict = checks.restore_checks(ctx, call.image_dir, record, opts)
     cid = (record or {}).get("id") or data.get("container_id")
     kept = checks.write_verdict(ctx, call.image_dir, verdict)
-    checks.remember(ctx, cid, verdict)
     criu_run["criu_restore_s"] = results.criu_elapsed(ctx, call.criu_pid)
     if not verdict.ok:
+        checks.remember(ctx, cid, verdict)
         ctx.log("post-restore", container=cid, verdict=str(kept), reasons=[
             p.code for p in verdict.problems], cached=verdict.cached)
         _remember(ctx, cid, "restore", ok=False, error=verdict.message(),
@@ -457,13 +457,14 @@ def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, An
         result = ctx.engine.restore(procs, mapping, unlock=not before)
         # 3. The VMM coordinator replays CUDA calls inside the workload: it
         #    needs the processes restored and, by default, unlocked.
-        began = time.monotonic()
+        began, vmm_s = time.monotonic(), None
         if vmm_dir:
             pairs = list(zip(procs, (p["nspid"] for p in data["processes"]), strict=True))
             output = vmm.run_coordinator(ctx.host, ctx.settings.tool("vmm_coordinator"),
                                          "restore", "", Path(vmm_dir), pairs,
                                          ctx.settings.vmm_timeout_s)
             ctx.log("vmm-restore", container=cid, pids=procs, output=output)
+            vmm_s = time.monotonic() - began
             if before:
                 ctx.engine.unlock(procs)
     except CudahookError as exc:
@@ -484,7 +485,7 @@ def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, An
               total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict(),
               gpu_bytes=data.get("gpu_memory_bytes"), gpu_model=_model(data),
               criu_restore_s=criu_run.get("criu_restore_s"),
-              vmm_restore_s=time.monotonic() - began if vmm_dir else None)
+              vmm_restore_s=vmm_s)
     return Exit.OK
 
 

@@ -120,6 +120,7 @@ def test_checkpoint_and_restore_are_checked_and_counted(make_env, tmp_path) -> N
         [sys.executable, "-m", "cudahook", "--config", str(env.config), "--json", "status",
          "--no-live"], capture_output=True, text=True, timeout=60).stdout)
     entry = next(c for c in st["containers"] if c["id"] == cid)
-    assert entry["last"]["check"]["side"] == "restore" and entry["last"]["check"]["ok"]
+    assert entry["last"]["check"]["side"] == "checkpoint" and entry["last"]["check"]["ok"]
+    assert entry["last"]["restore"]["ok"] and entry["last"]["restore"]["gpu_bytes"] == 3 << 20
     assert entry["metrics"]["series"]["cudahook_restores_total{outcome=ok}"] == 1
     assert os.path.exists(st["metrics_file"])
