@@ -142,6 +142,14 @@ def test_stopped_unreadable_and_nvml(node: Node) -> None:
         assert time.monotonic() - t < 60  # answered, not hung on the stopped process
     finally:
         os.kill(a, signal.SIGCONT)
+    # A CUDA process that also uses NVML (as NCCL does): its NVML handles can
+    # only be told from CUDA's own device files after the CUDA checkpoint
+    # (pre-dump then puts it back and refuses, NVML_FDS): a warning here.
+    node.spawn_tree(("b", {"mib": 1, "nvml": True}))
+    st = node.lab.wait_counter("b")
+    assert st["nvml_mapped"] and st["nvml_fds"] == 2
+    got, v, _ = check(cfg, "--pid", str(st["pid"]))
+    assert got == 0 and any("NVML_FDS" in w and "libnvidia-ml" in w for w in v["warnings"]), v
     plain = subprocess.Popen(["sleep", "60"])
     try:
         v = expect(cfg, ["--pid", str(plain.pid)], "PROCESS_UNREADABLE")
