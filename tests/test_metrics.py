@@ -11,9 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cudahook.core import manifest
@@ -213,9 +211,7 @@ def test_metrics_state_is_bounded_and_escaped(tmp_path: Path) -> None:
     assert metrics.update(off, metrics.Changes("x").inc("cudahook_rollbacks_total")) is False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGSTOP])
-def test_pre_dump_refuses_a_stopped_process_quickly(node: Node, tmp_path: Path,
-                                                     sig: signal.Signals) -> None:
+def test_pre_dump_refuses_a_stopped_process_quickly(node: Node, tmp_path: Path) -> None:
     """A stopped process would make every cuda-checkpoint call hang until its
     deadline: refused at once, by /proc, with nothing locked."""
     script = install(tmp_path, node)
@@ -224,17 +220,71 @@ def test_pre_dump_refuses_a_stopped_process_quickly(node: Node, tmp_path: Path,
     init = node.spawn_tree(("a", {"mib": 1}), ("b", {"mib": 1}))
     a = node.lab.wait_counter("a")["pid"]
     node.lab.wait_counter("b")
-    os.kill(a, sig)
+    os.kill(a, signal.SIGSTOP)
     try:
         r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                    CRTOOLS_IMAGE_DIR=str(image))
     finally:
         os.kill(a, signal.SIGCONT)
-    assert r.returncode != 0 and "PROCESS_" in r.stderr, r.stderr
+    # PROCESS_STOPPED, not a discovery probe timing out on it: refused before any call.
+    assert r.returncode == 1 and f"PROCESS_STOPPED: pid(s) {a} stopped or traced" in r.stderr, \
+        r.stderr
     assert os.listdir(image) == []
     for t in ("a", "b"):
         node.lab.wait_counter(t, node.lab.status(t)["counter"] + 3)
 
 
-def _unused(x: Any) -> Any:
-    return x
+
+RESTORE = """
+import json, subprocess, sys
+script, env = sys.argv[1], json.loads(sys.argv[2])
+rcs = []
+for act in ("post-restore", "post-resume"):
+    rcs.append(subprocess.run([script], env={**env, "CRTOOLS_SCRIPT_ACTION": act}).returncode)
+print(json.dumps(rcs))
+"""
+
+
+def test_rollbacks_and_fail_closed_kills_are_counted(node: Node, tmp_path: Path) -> None:
+    """A checkpoint that fails midway is rolled back (counted), and a restore
+    that fails at post-resume kills the container (counted), through the
+    action script as CRIU runs it."""
+    script = install(tmp_path, node)
+    init = node.spawn_tree(("a", {"mib": 2}), ("b", {"mib": 1}))
+    a = node.lab.wait_counter("a")["pid"]
+    node.lab.wait_counter("b")
+    Store(node.settings().state_dir).update("job-9", pid=init.pid, pid_start=None)
+    first = tmp_path / "img1"
+    first.mkdir()
+    node.lab.fault("checkpoint", pid=a, code=2, times=1)
+    assert dump(script, init.pid, first) == 1
+    st = node.lab.wait_counter("a", node.lab.status("a")["counter"] + 3)  # back on its GPU
+    assert st["intact"]
+    found = samples(metrics_file(node))
+    assert value(found, "cudahook_checkpoints_total", container="job-9",
+                 outcome="rolled_back") == 1
+    assert value(found, "cudahook_rollbacks_total", container="job-9") == 1
+
+    # A checkpoint that works, CRIU (the parent) staying alive as if dumping.
+    image = tmp_path / "img2"
+    image.mkdir()
+    env = {**SCRUBBED, "CRTOOLS_SCRIPT_ACTION": "pre-dump", "CRTOOLS_INIT_PID": str(init.pid),
+           "CRTOOLS_IMAGE_DIR": str(image)}
+    criu = subprocess.Popen([sys.executable, "-c", PARENT, str(script), json.dumps(env), "30"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert criu.stdout is not None and int(criu.stdout.readline()) == 0
+        # "Restored" in place: the same processes, restore fails in the driver.
+        node.lab.fault("restore", pid=a, code=2)
+        env = {**SCRUBBED, "CRTOOLS_INIT_PID": str(init.pid), "CRTOOLS_IMAGE_DIR": str(image)}
+        r = subprocess.run([sys.executable, "-c", RESTORE, str(script), json.dumps(env)],
+                           capture_output=True, text=True, timeout=120)
+        assert json.loads(r.stdout)[0] == 0, r.stderr  # post-restore: the checks pass
+        assert init.wait(10) == -9  # post-resume failed closed: the container is gone
+    finally:
+        criu.kill()
+        criu.wait()
+    found = samples(metrics_file(node))
+    assert value(found, "cudahook_fail_closed_kills_total", container="job-9") == 1
+    assert value(found, "cudahook_restores_total", container="job-9", outcome="failed") == 1
+    assert value(found, "cudahook_checkpoints_total", container="job-9", outcome="ok") == 1
