@@ -147,6 +147,27 @@ def test_target_dying_mid_phase_leaves_the_rest_running(make_node) -> None:  # t
     assert_all_running_and_intact(node, engine, [p.pid for p in procs if p.pid != victim], before)
 
 
+def test_a_state_the_driver_cannot_tell_is_still_rolled_back(make_node) -> None:  # type: ignore[no-untyped-def]
+    """get-state fails for one process from the final check on: the rollback
+    takes it the whole way back anyway (left checkpointed, it would stay off
+    its GPU while CRIU resumes it), and reports it unverified, not safe."""
+    node = make_node(driver=580)
+    engine = node.engine()
+    init, pids = start(node)
+    procs = find(node, engine, init.pid).processes  # the states, read just now
+    victim = pids["solo"]
+    node.lab.fault("get-state", pid=victim)  # from here on, for good
+    before = counters(node)
+    with pytest.raises(PhaseError) as err:
+        engine.checkpoint(procs, fresh_states=True)
+    assert not err.value.safe
+    assert "rollback failed" in err.value.result.errors[victim]
+    steps = {s.step for s in err.value.result.timeline.steps if s.pid == victim and s.ok}
+    assert {"rollback-restore", "rollback-unlock"} <= steps
+    node.lab.clear_faults()
+    assert_all_running_and_intact(node, engine, [p.pid for p in procs], before)
+
+
 def test_restore_failure_holds_everything_then_a_retry_succeeds(make_node) -> None:  # type: ignore[no-untyped-def]
     node = make_node(driver=580)
     engine = node.engine()
@@ -227,7 +248,10 @@ def test_unlock_left_to_the_caller(make_node) -> None:  # type: ignore[no-untype
     engine.checkpoint(procs)
     frozen = counters(node)
     res = engine.restore(procs, unlock=False)
-    assert set(res.final.values()) == {"locked"}
+    # Held, as the driver says it, every one of them (alive: a dead one
+    # would answer nothing), and doing no GPU work meanwhile.
+    held = {p.pid: engine.read_state(p.pid) for p in procs}
+    assert held == {p.pid: "locked" for p in procs} and res.final == held
     time.sleep(0.2)
     assert counters(node) == frozen
     engine.unlock(procs)
@@ -461,7 +485,7 @@ def test_locks_go_to_all_processes_at_once_whatever_max_parallel(make_node) -> N
     barrier = threading.Barrier(len(procs), timeout=5)
     _wrap(engine, "lock", lambda pid: barrier.wait())
     res = engine.checkpoint(procs)
-    assert res.ok and set(res.final.values()) == {"checkpointed"}
+    assert res.ok and res.final == {p.pid: "checkpointed" for p in procs}
     # Checkpoints stay capped at max_parallel.
     ckpt = sorted((s.start, s.end) for s in res.timeline.steps if s.step == "checkpoint")
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(ckpt))

@@ -358,6 +358,46 @@ def test_fault_injection_by_pid_tag_and_count(node) -> None:  # type: ignore[no-
         cc(node, "--action", "unlock", "--pid", str(a.pid), timeout=1.0)
 
 
+def test_crash_faults_kill_the_tool_itself_and_skip_lets_calls_through(node) -> None:  # type: ignore[no-untyped-def]
+    a = node.spawn("a", mib=1)
+    node.lab.wait_counter("a")
+    pid = str(a.pid)
+    node.lab.fault("get-state", mode="segv", skip=1, times=1)
+    assert cc(node, "--get-state", "--pid", pid).stdout == "running\n"  # let through
+    out = cc(node, "--get-state", "--pid", pid)
+    assert (out.returncode, out.stdout, out.stderr) == (-signal.SIGSEGV, "", "")
+    assert cc(node, "--get-state", "--pid", pid).stdout == "running\n"  # used up
+    # `after`: the driver carried the lock out before the tool died.
+    node.lab.fault("lock", mode="segv", after=True, times=1)
+    assert cc(node, "--action", "lock", "--pid", pid).returncode == -signal.SIGSEGV
+    assert cc(node, "--get-state", "--pid", pid).stdout == "locked\n"
+    assert cc(node, "--action", "unlock", "--pid", pid).returncode == 0
+    assert a.poll() is None  # the target lives on
+    node.lab.fault("nvidia-smi")
+    out = subprocess.run([str(node.lab.nvidia_smi), "-L"], capture_output=True, text=True,
+                         timeout=20)
+    assert out.returncode == 9 and "couldn't communicate with the NVIDIA driver" in out.stdout
+
+
+def test_a_crash_in_the_driver_library_kills_its_caller_after_the_call(node) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.core.backends import make_backend
+    from cudahook.platform.errors import ToolError
+    from cudahook.platform.host import Host
+
+    a = node.spawn("a", mib=1)
+    node.lab.wait_counter("a")
+    backend = make_backend(node.lab.settings(backend="driver-api"), Host())
+    try:
+        node.lab.fault("lock", mode="segv", after=True, times=1)
+        with pytest.raises(ToolError, match="driver helper exited"):
+            backend.lock(a.pid, 0)
+        assert backend.get_state(a.pid) == "locked"  # a fresh helper; the lock held
+        backend.unlock(a.pid)
+        assert backend.get_state(a.pid) == "running"
+    finally:
+        backend.close()  # type: ignore[attr-defined]
+
+
 def test_multi_process_workload_has_one_cuda_context_per_worker(node) -> None:  # type: ignore[no-untyped-def]
     node.spawn("mp", mib=2, procs=3)
     reports = [node.lab.wait_counter(f"mp.{i}") for i in range(3)]

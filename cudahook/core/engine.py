@@ -25,6 +25,7 @@ while different jobs and processes outside any job stay parallel.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -264,7 +265,21 @@ class Engine:
         gone: set[int] = set()
 
         def back(pid: int) -> None:
-            state = self.read_state(pid)
+            try:
+                state = self.read_state(pid)
+            except ProcessGone:
+                raise
+            except Exception:
+                # Hazard: a state the driver cannot tell (get-state failing
+                # or timing out) must not leave a checkpointed process off
+                # its GPU while CRIU resumes the container. Undo: take the
+                # whole way back regardless - the driver refuses a step the
+                # process is not in the state for, which changes nothing -
+                # and let the read below decide what is reported.
+                if self._toggle_only() or not self.host.exists(pid):
+                    raise
+                self._whole_way_back(tl, pid)
+                state = RUNNING
             if state == CHECKPOINTED:
                 if self._toggle_only():
                     self._step(tl, pid, "rollback-toggle", self.backend.toggle)
@@ -289,6 +304,14 @@ class Engine:
                 errors[pid] = f"rollback failed: {_describe(pid, exc, self.host)}"
         safe = all(p in gone for p in failures)
         return safe, errors, final
+
+    def _whole_way_back(self, tl: Timeline, pid: int) -> None:
+        """Restore, then unlock, a process whose state is unknown; a step it
+        is not ready for fails in the driver (illegal state) and is skipped."""
+        for name, call in (("rollback-restore", self.backend.restore),
+                           ("rollback-unlock", self.backend.unlock)):
+            with contextlib.suppress(ToolError):
+                self._step(tl, pid, name, call)
 
     # -- restore -------------------------------------------------------------
 

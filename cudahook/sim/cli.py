@@ -41,11 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--dir", required=True)
     f.add_argument("--clear", action="store_true")
     f.add_argument("--action", default="*")
-    f.add_argument("--mode", choices=("error", "hang", "crash"), default="error")
+    f.add_argument("--mode", choices=("error", "hang", "crash", "segv"), default="error",
+                   help="crash: the target process is killed; segv: the tool itself crashes")
     f.add_argument("--pid", type=int)
     f.add_argument("--tag")
     f.add_argument("--code", type=int)
     f.add_argument("--times", type=int)
+    f.add_argument("--skip", type=int, help="let this many matching calls through first")
+    f.add_argument("--after", action="store_true",
+                   help="segv: crash only once the driver carried the call out")
     sub.add_parser("demo", help="checkpoint and restore simulated CUDA processes")
     args = p.parse_args(argv)
 
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.clear:
             lab.clear_faults()
             return 0
-        match = {k: v for k in ("pid", "tag", "code", "times") if (v := getattr(args, k)) is not None}
+        match = {k: v for k in ("pid", "tag", "code", "times", "skip", "after")
+                 if (v := getattr(args, k)) is not None}
         lab.fault(args.action, args.mode, **match)
         return 0
     if args.cmd == "demo":

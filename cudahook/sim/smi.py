@@ -33,7 +33,36 @@ APP_FIELDS = {
 }
 
 
+# What the real nvidia-smi prints (exit 9) when it cannot reach the driver.
+NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+             "Make sure that the latest NVIDIA driver is installed and running.")
+
+
+def _fault(sim_dir: str) -> int | None:
+    """An injected fault (faults.json, action "nvidia-smi"): mode `error`
+    answers as the real tool does when it cannot reach the driver (exit 9),
+    `hang` never returns."""
+    try:
+        with open(os.path.join(sim_dir, "faults.json")) as f:
+            rules = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for rule in rules:
+        if rule.get("action") == "nvidia-smi":
+            if rule.get("mode") == "hang":
+                import time
+
+                while True:
+                    time.sleep(3600)
+            print(NO_DRIVER)
+            return 9
+    return None
+
+
 def main(argv: list[str], sim_dir: str) -> int:
+    failed = _fault(sim_dir)
+    if failed is not None:
+        return failed
     try:
         chan = Channel(connect_unix(os.path.join(sim_dir, "gpu.sock"), timeout=10))
         info, _ = chan.call({"op": "info"})
@@ -44,8 +73,7 @@ def main(argv: list[str], sim_dir: str) -> int:
             config = json.load(f)
         info["driver_version"] = config["driver_version"]
     except OSError:
-        print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-              "Make sure that the latest NVIDIA driver is installed and running.")
+        print(NO_DRIVER)
         return 9
     if not config.get("gpus"):
         print("No devices were found")

@@ -275,11 +275,13 @@ def main(argv: list[str], sim_dir: str, prog: str = "cuda-checkpoint") -> int:
         # the real tool accepts it and ignores it.
         if op == "restore" and "device-map" in opts:
             request["device_map"] = _parse_map(opts["device-map"])
-        _inject_fault(sim_dir, pid, op)
+        crash_after = _inject_fault(sim_dir, pid, op)
         reply = _ask(pid, request) if op != "toggle" else _toggle(pid)
     except CudaError as exc:
         sys.stderr.write(fail_text(op, pid, str(exc)))
         return 1
+    if crash_after:
+        _segv()
     if op == "get-state":
         print(reply["state"])
     elif op == "get-restore-tid":
@@ -316,11 +318,13 @@ def _main_r550(argv: list[str], config: dict, sim_dir: str) -> int:
         return 255
     pid = int(argv[2])
     try:
-        _inject_fault(sim_dir, pid, "toggle")
+        crash_after = _inject_fault(sim_dir, pid, "toggle")
         _toggle(pid)
     except CudaError as exc:
         sys.stderr.write(fail_text("toggle", pid, str(exc)))
         return 255
+    if crash_after:
+        _segv()
     return 0
 
 
@@ -384,10 +388,18 @@ def _toggle(pid: int) -> dict[str, object]:
     return {}
 
 
-def _inject_fault(sim_dir: str, pid: int, op: str) -> None:
+def _inject_fault(sim_dir: str, pid: int, op: str) -> bool:
+    """Apply the first fault rule that matches this call. Modes: `error`
+    (the CUDA error `code`, default 999), `hang` (never returns), `crash`
+    (the TARGET process is killed, then the call fails), `segv` (the tool
+    itself dies of SIGSEGV, no message, as a crash inside the driver
+    library would; with `after` it dies only once the driver carried the
+    call out, so the process HAS changed state). `skip` lets that many
+    matching calls through first, `times` fires that many times.
+    True when the tool must crash after the call."""
     path = os.path.join(sim_dir, "faults.json")
     if not os.path.exists(path):
-        return
+        return False
     import fcntl
     import json
 
@@ -395,6 +407,7 @@ def _inject_fault(sim_dir: str, pid: int, op: str) -> None:
         fcntl.flock(f, fcntl.LOCK_EX)
         rules = json.loads(f.read() or "[]")
         hit = None
+        changed = False
         for rule in rules:
             if rule.get("action", "*") not in ("*", op):
                 continue
@@ -404,19 +417,29 @@ def _inject_fault(sim_dir: str, pid: int, op: str) -> None:
                 continue
             if rule.get("times", 1) <= 0:
                 continue
+            if rule.get("skip", 0) > 0:
+                rule["skip"] -= 1
+                changed = True
+                continue
             hit = rule
             if "times" in rule:
                 rule["times"] -= 1
-                f.seek(0)
-                f.truncate()
-                f.write(json.dumps(rules))
+                changed = True
             break
+        if changed:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(rules))
     if hit is None:
-        return
+        return False
     mode = hit.get("mode", "error")
     if mode == "hang":
         while True:
             time.sleep(3600)
+    if mode == "segv":
+        if hit.get("after"):
+            return True
+        _segv()
     if mode == "crash":
         import signal
 
@@ -424,6 +447,16 @@ def _inject_fault(sim_dir: str, pid: int, op: str) -> None:
         raise CudaError(UNKNOWN)
     code = int(hit.get("code", UNKNOWN))
     raise CudaError(code, hit.get("message") or CUDA_ERRORS.get(code, "unknown error"))
+
+
+def _segv() -> None:
+    """Die as a crash in the driver library does: SIGSEGV, nothing printed."""
+    import signal
+
+    sys.stdout.flush()
+    signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(60)  # the signal is delivered before this returns
 
 
 def _tag(pid: int) -> str | None:

@@ -7,13 +7,15 @@ Prepare asks each process's shim for its VMM mappings and writes them to
 DIR/cuda-vmm.state atomically; restore replays them into the processes. An
 empty --proc-root means the default /proc: this coordinator runs on the host
 beside the workload and reaches each shim through /proc/HOSTPID/root.
-Faults: rules in the node's faults.json with action vmm-prepare / vmm-restore.
+Faults: rules in the node's faults.json with action vmm-prepare / vmm-restore
+(modes in `_fault`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -36,7 +38,11 @@ def _shim(proc_root: str, host_pid: int, nspid: int, msg: dict) -> dict:  # type
     return reply
 
 
-def _fault(sim_dir: str, op: str) -> None:
+def _fault(sim_dir: str, op: str, procs: list[tuple[int, int]]) -> None:
+    """The injected fault for this run, if any. Modes: `error` (the default:
+    fail with `message`), `hang` (never return), `crash` (the target process
+    `pid`, else the first, is killed; replaying into it then fails), `segv` (the
+    coordinator itself dies of SIGSEGV, nothing printed)."""
     path = os.path.join(sim_dir, "faults.json")
     try:
         with open(path) as f:
@@ -45,9 +51,17 @@ def _fault(sim_dir: str, op: str) -> None:
         return
     for rule in rules:
         if rule.get("action") == f"vmm-{op}":
-            if rule.get("mode") == "hang":
+            mode = rule.get("mode", "error")
+            if mode == "hang":
                 while True:
                     time.sleep(3600)
+            if mode == "segv":
+                sys.stdout.flush()
+                signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if mode == "crash":
+                os.kill(int(rule.get("pid") or procs[0][0]), signal.SIGKILL)
+                return
             raise RuntimeError(rule.get("message") or f"injected {op} failure")
 
 
@@ -79,7 +93,7 @@ def main(argv: list[str], sim_dir: str) -> int:
         log.write(json.dumps({"op": op, "proc_root": proc_root, "dir": directory,
                               "processes": procs}) + "\n")
     try:
-        _fault(sim_dir, op)
+        _fault(sim_dir, op, procs)
         state_path = os.path.join(directory, STATE)
         if op == "prepare":
             state = {"version": 1, "processes": {

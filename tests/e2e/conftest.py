@@ -19,6 +19,7 @@ from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import RuncBox
 
 from ..conftest import _SANDBOX as SANDBOX
+from .outcomes import assert_dumped, workload_pids
 
 CRIU = find_criu()
 
@@ -89,11 +90,26 @@ class Env:
     def counters(self, tags: list[str]) -> dict[str, int]:
         return {t: self.lab.status(t).get("counter", 0) for t in tags}
 
-    def frozen(self, tags: list[str], for_s: float = 0.3) -> dict[str, int]:
+    def frozen(self, cid: str, tags: list[str]) -> dict[str, int]:
+        """After a dump (not --leave-running): the container and every
+        process of it are gone, so nothing runs on from the checkpoint. The
+        counters each workload last reported: wait_running(tags, frozen)
+        after a restore sees them go on from there."""
+        return assert_dumped(self, cid, tags)
+
+    def paused(self, cid: str, tags: list[str], for_s: float = 0.3) -> dict[str, int]:
+        """A paused container: each workload's process alive and frozen in
+        its cgroup, its counter not moving. The counters."""
+        from cudahook.platform.host import Host
+
+        pids = workload_pids(self.lab, cid, tags)
+        assert all(pids.values()), f"workloads not alive: {pids}"
+        host = Host()
+        assert all(host.is_frozen(p) for p in pids.values() if p), f"not frozen: {pids}"
         before = self.counters(tags)
         time.sleep(for_s)
         after = self.counters(tags)
-        assert before == after, f"workloads kept running: {before} -> {after}"
+        assert before == after, f"paused workloads kept running: {before} -> {after}"
         return after
 
     def close(self) -> None:

@@ -51,6 +51,7 @@ from .daemons import (
     Dockerd,
     image_tar,
 )
+from .outcomes import process_tree, still_alive
 
 REPO = Path(__file__).resolve().parents[2]
 JOURNAL = Path("/var/lib/cudahook/journal.json")
@@ -195,12 +196,13 @@ class Node:
             assert st["intact"] and st["errors"] == [] and st["state"] == "running", st
         return self.counters(tags)
 
-    def frozen(self, tags: list[str], for_s: float = 0.3) -> dict[str, int]:
-        before = self.counters(tags)
-        time.sleep(for_s)
-        after = self.counters(tags)
-        assert before == after, f"workloads kept running: {before} -> {after}"
-        return after
+    def frozen(self, tags: list[str], tree: dict[int, int]) -> dict[str, int]:
+        """After a dump (not --leave-running): every process of the
+        container (`tree`, taken before the dump) is gone, so nothing runs
+        on from the checkpoint. The counters the workloads last reported."""
+        alive = still_alive(tree)
+        assert not alive, f"processes still alive after the dump: {alive}"
+        return self.counters(tags)
 
     def resumed(self, tags: list[str]) -> FirstReports:
         """Watch, from now on, for each workload's first report (of a restore)."""
@@ -436,9 +438,10 @@ def test_docker_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) 
         node.wait_running(tags, after)
 
         # 2. a plain checkpoint stops the container where its counters stand.
+        tree = process_tree(pid)
         d.docker("checkpoint", "create", cid, "cp2", timeout=120)
         assert not d.inspect(cid)["State"]["Running"]
-        frozen = node.frozen(tags)
+        frozen = node.frozen(tags, tree)
         images = d.data_root / "containers" / cid / "checkpoints" / "cp2"
         assert (images / "cudahook-manifest.json").is_file()
         node.wait_event(cid, "checkpoint", count=2)

@@ -12,6 +12,7 @@ import pytest
 from cudahook.core import manifest
 
 from .conftest import needs_runc, tree_digest
+from .outcomes import assert_nothing_restored, image_hashes
 
 pytestmark = needs_runc
 
@@ -42,7 +43,7 @@ def test_all_shims_mappings_survive(make_env, tmp_path) -> None:  # type: ignore
     assert r.returncode == 0, r.stderr
     assert (image / "cuda-vmm.state").is_file()
     assert manifest.read(image)["vmm"] is True
-    frozen = env.frozen(tags)
+    frozen = env.frozen(cid, tags)
     r = env.box.restore(cid, bundle, image)
     assert r.returncode == 0, r.stderr
     env.wait_running(tags, frozen)  # includes the VMM mapping's content check
@@ -61,7 +62,7 @@ def test_without_the_coordinator_the_mappings_are_lost(make_env, tmp_path) -> No
     image = tmp_path / "img"
     assert env.box.checkpoint(cid, image).returncode == 0
     (image / "cuda-vmm.state").unlink()  # as if the coordinator had saved nothing
-    env.frozen(tags)
+    env.frozen(cid, tags)
     digest = tree_digest(image)
     r = env.box.restore(cid, bundle, image)
     assert r.returncode != 0
@@ -93,7 +94,7 @@ def test_a_stale_vmm_state_in_a_reused_image_dir_is_ignored(make_env, tmp_path) 
     image = tmp_path / "img"
     assert env.box.checkpoint(cid, image).returncode == 0
     (image / "cuda-vmm.state").write_text("{}")  # left by an older checkpoint here
-    frozen = env.frozen(tags)
+    frozen = env.frozen(cid, tags)
     assert env.box.restore(cid, bundle, image).returncode == 0
     env.wait_running(tags, frozen)
     assert env.lab.vmm_calls() == []  # the coordinator was never run on it
@@ -107,7 +108,7 @@ def test_no_sockets_plain_path(make_env, tmp_path) -> None:  # type: ignore[no-u
     image = tmp_path / "img"
     assert env.box.checkpoint(cid, image).returncode == 0
     assert manifest.read(image)["vmm"] is False
-    frozen = env.frozen(tags)
+    frozen = env.frozen(cid, tags)
     assert env.box.restore(cid, bundle, image).returncode == 0
     env.wait_running(tags, frozen)
     assert env.lab.vmm_calls() == []
@@ -232,14 +233,12 @@ def test_coordinator_failure_at_restore_fails_closed(make_env, tmp_path) -> None
     cid, bundle, _, tags = start(env, tmp_path)
     image = tmp_path / "img"
     assert env.box.checkpoint(cid, image).returncode == 0
-    frozen = env.frozen(tags)
+    frozen = env.frozen(cid, tags)
     digest = tree_digest(image)
     env.lab.fault("vmm-restore", message="replay failed")
+    before = image_hashes(image)
     env.box.restore(cid, bundle, image)
-    deadline = time.monotonic() + 15
-    while (st := env.box.state(cid)) is not None and st["status"] == "running":
-        assert time.monotonic() < deadline, "a half-restored container was left running"
-        time.sleep(0.1)
+    assert_nothing_restored(env, cid, image, before)
     err = env.wait_event("restore", lambda e: "error" in e)["error"]
     assert "replay failed" in err and "container killed" in err
     assert tree_digest(image) == digest
@@ -255,7 +254,7 @@ def test_coordinator_before_unlock_option(make_env, tmp_path) -> None:  # type: 
         env, tmp_path, annotations={"cudahook.io/vmm-restore-before-unlock": "true"})
     image = tmp_path / "img"
     assert env.box.checkpoint(cid, image).returncode == 0
-    frozen = env.frozen(tags)
+    frozen = env.frozen(cid, tags)
     assert env.box.restore(cid, bundle, image).returncode == 0
     env.wait_running(tags, frozen)
     assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
@@ -324,7 +323,7 @@ def test_poststop_removes_the_restored_containers_own_sockets(make_env, tmp_path
     image = tmp_path / "img"
     assert env.box.checkpoint(cid, image).returncode == 0
     assert sorted(p.name for p in ctl.iterdir()) == ["keep"]  # the dumped container's poststop
-    frozen = env.frozen(tags)
+    frozen = env.frozen(cid, tags)
     assert env.box.restore(cid, bundle, image).returncode == 0
     env.wait_running(tags, frozen)
     assert len(list(ctl.glob("cuda-vmm-*.sock"))) == len(tags)

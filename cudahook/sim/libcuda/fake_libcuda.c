@@ -330,6 +330,10 @@ static CUresult target_path(int pid, char *out, size_t size) {
 }
 
 /* One request to pid's restore thread; its reply line in reply. */
+/* A `segv` fault with `after`: the call is carried out, then the library
+ * crashes (see ask). */
+static __thread int crash_after;
+
 static CUresult ask(int pid, const char *request, char *reply, size_t size) {
     char path[PATH_MAX];
     CUresult rc = target_path(pid, path, sizeof path);
@@ -368,6 +372,8 @@ static CUresult ask(int pid, const char *request, char *reply, size_t size) {
     }
     close(sock);
     reply[n] = 0;
+    if (crash_after && n > 0)
+        raise(SIGSEGV); /* the driver carried the call out, then crashed */
     if (n == 0)
         return CUDA_ERROR_UNKNOWN;
     if (!json_get_bool(reply, "ok")) {
@@ -384,10 +390,11 @@ static CUresult ask(int pid, const char *request, char *reply, size_t size) {
 typedef struct {
     char action[32], mode[16], tag[128], message[256];
     long pid;
-    int has_pid, has_tag, has_times, has_message;
-    long times;
+    int has_pid, has_tag, has_times, has_message, has_skip, after;
+    long times, skip;
     long code;
 } Rule;
+
 
 static int parse_rules(const char *text, Rule *rules) {
     int count = 0;
@@ -418,6 +425,9 @@ static int parse_rules(const char *text, Rule *rules) {
         r->pid = (long)json_get_number(obj, "pid", -1);
         r->has_times = json_find(obj, "times") != NULL;
         r->times = (long)json_get_number(obj, "times", 1);
+        r->has_skip = json_find(obj, "skip") != NULL;
+        r->skip = (long)json_get_number(obj, "skip", 0);
+        r->after = json_get_bool(obj, "after");
         r->code = (long)json_get_number(obj, "code", CUDA_ERROR_UNKNOWN);
         p = skip_ws(end + 1);
         if (*p == ',')
@@ -460,6 +470,10 @@ static void write_rules(int fd, const Rule *rules, int count) {
         }
         if (r->has_times)
             fprintf(f, ", \"times\": %ld", r->times);
+        if (r->has_skip)
+            fprintf(f, ", \"skip\": %ld", r->skip);
+        if (r->after)
+            fputs(", \"after\": true", f);
         fprintf(f, ", \"code\": %ld", r->code);
         if (r->has_message) {
             fputs(", \"message\": ", f);
@@ -518,6 +532,11 @@ static CUresult inject_fault(int pid, const char *op) {
         }
         if (r->has_times && r->times <= 0)
             continue;
+        if (r->has_skip && r->skip > 0) { /* let this many matching calls through */
+            r->skip--;
+            write_rules(fd, rules, count);
+            continue;
+        }
         hit = *r;
         found = 1;
         if (r->has_times) {
@@ -531,9 +550,15 @@ static CUresult inject_fault(int pid, const char *op) {
     if (strcmp(hit.mode, "hang") == 0)
         for (;;)
             sleep(3600);
-    if (strcmp(hit.mode, "crash") == 0) {
+    if (strcmp(hit.mode, "crash") == 0) { /* the target dies */
         kill(pid, SIGKILL);
         return CUDA_ERROR_UNKNOWN;
+    }
+    if (strcmp(hit.mode, "segv") == 0) { /* the library itself crashes */
+        if (!hit.after)
+            raise(SIGSEGV);
+        crash_after = 1; /* once the call is carried out: see ask */
+        return CUDA_SUCCESS;
     }
     return (CUresult)hit.code;
 }
