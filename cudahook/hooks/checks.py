@@ -136,10 +136,14 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
     `full=False` is pre-dump's cut: CRIU is already running (no version
     check), a paused container is thawed by pre-dump itself, discovery looks
     only at processes holding NVIDIA device files, and the VMM interposer is
-    checked by its own prepare step. What is left costs a /proc read or
-    shares the nvidia-smi call the checkpoint makes anyway, except the GPU
-    memory query (one nvidia-smi call), which guards against the worst
-    outcome: the OOM killer in the middle of a checkpoint.
+    checked by its own prepare step. What CRIU itself fails on cleanly after
+    the checkpoint (the guardian then resumes the workload: the fault matrix
+    proves it) is left to CRIU: a task traced while it runs, and the image
+    size, an estimate that must not veto a checkpoint. What is left costs a
+    /proc read or shares the nvidia-smi call the checkpoint makes anyway,
+    except the GPU memory query (one nvidia-smi call, beside discovery),
+    which guards against the worst outcome: the OOM killer in the middle of
+    a checkpoint.
     """
     v = Verdict("checkpoint", {"container": container, "init_pid": init_pid, "pids": pids})
     # The two nvidia-smi calls run beside discovery, not after it: each costs
@@ -176,7 +180,7 @@ def _checkpoint_checks(ctx: Context, v: Verdict, init_pid: int | None, pids: lis
     # Before any cuda-checkpoint call: a stopped process makes each one hang
     # until its deadline (minutes).
     members = _members(ctx, init_pid)
-    if _stopped(ctx, v, list(pids) if pids else (members or ([], ""))[0]):
+    if _stopped(ctx, v, list(pids) if pids else (members or ([], ""))[0], traced=full):
         return v
     discovered = _discover(ctx, v, init_pid, pids, every=full, members=members)
     if discovered is None:
@@ -197,7 +201,7 @@ def _checkpoint_checks(ctx: Context, v: Verdict, init_pid: int | None, pids: lis
     _persistence(ctx, v, container)
     gpu = _gpu_memory(v, procs, apps)
     _host_memory(ctx, v, procs, gpu)
-    if image_dir is not None:
+    if image_dir is not None and full:
         _image_space(ctx, v, list(pids) if pids else (members or ([init_pid], ""))[0],
                      image_dir, gpu)
     return v
@@ -272,14 +276,18 @@ def _members(ctx: Context, init_pid: int | None) -> tuple[list[int], str] | None
         return None
 
 
-def _stopped(ctx: Context, v: Verdict, pids: list[int]) -> bool:
-    """A stopped or traced process makes every cuda-checkpoint call hang."""
+def _stopped(ctx: Context, v: Verdict, pids: list[int], *, traced: bool) -> bool:
+    """A stopped process (SIGSTOP, or a tracer's stop) makes every
+    cuda-checkpoint call hang. `traced`: also a process a tracer holds while
+    it runs - CRIU cannot seize it, and its dump fails (cleanly: pre-dump
+    leaves that to CRIU and the guardian)."""
     v.checked.append("stopped")
     bad = []
     for pid in pids:
         with contextlib.suppress(Exception):
             status = ctx.host.status(pid)
-            if status.get("State", "")[:1] in ("t", "T") or status.get("TracerPid", "0") != "0":
+            if status.get("State", "")[:1] in ("t", "T") or (
+                    traced and status.get("TracerPid", "0") != "0"):
                 bad.append(pid)
     if bad:
         v.add("PROCESS_STOPPED", "pid(s) " + ", ".join(map(str, bad)) + " stopped or traced")
@@ -504,11 +512,14 @@ def _host_memory(ctx: Context, v: Verdict, procs: list[CudaProcess],
 def _image_space(ctx: Context, v: Verdict, pids: list[int], image_dir: Path,
                  gpu: dict[int, int] | None) -> None:
     v.checked.append("image space")
+    # What CRIU writes of a process's memory: its anonymous and shared
+    # pages, resident or swapped (file-backed pages are not dumped).
     rss = 0
-    page = os.sysconf("SC_PAGE_SIZE")
     for pid in pids:
         with contextlib.suppress(Exception):
-            rss += int(ctx.host.read(pid, "statm").split()[1]) * page
+            status = ctx.host.status(pid)
+            rss += sum(int(status.get(k, "0 kB").split()[0]) << 10
+                       for k in ("RssAnon", "RssShmem", "VmSwap"))
     need = rss + sum((gpu or {}).values())
     try:
         st = os.statvfs(image_dir)
@@ -518,8 +529,8 @@ def _image_space(ctx: Context, v: Verdict, pids: list[int], image_dir: Path,
     free = st.f_bavail * st.f_frsize
     v.facts.update(image_expected_bytes=need, image_free_bytes=free)
     if need > free:
-        v.add("IMAGE_SPACE", f"expected image {_mib(need)} (process memory {_mib(rss)} + GPU "
-              f"memory) > {_mib(free)} free in {image_dir}")
+        v.add("IMAGE_SPACE", f"expected image {_mib(need)} (anonymous process memory "
+              f"{_mib(rss)} + GPU memory) > {_mib(free)} free in {image_dir}")
 
 
 def mem_available(proc: Path) -> int | None:
