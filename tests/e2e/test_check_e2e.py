@@ -94,7 +94,7 @@ def test_checkpoint_and_restore_are_checked_and_counted(make_env, tmp_path) -> N
     data = manifest.read(image)
     assert data is not None and set(data["files"]) == {"cuda-vmm.state"}
     assert data["gpu_memory_bytes"] == 3 << 20  # 1 MiB each, as nvidia-smi reports it
-    frozen = env.frozen(tags)
+    frozen = env.frozen(cid, tags)
     rc, v = check(env.config, "--image", str(image), "--bundle", str(bundle))
     assert rc == 0 and v["facts"]["device_map"] is None, v
     digest = tree_digest(image)
