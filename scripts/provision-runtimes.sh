@@ -3,6 +3,8 @@
 # Debian 12 (bookworm) host, WITHOUT leaving the system's own daemons running:
 #   * containerd 1.6.20 (containerd, ctr, containerd-shim-runc-v2)
 #   * docker.io 20.10   (dockerd, docker client in /usr/bin, docker-init=tini)
+#   * podman 4.3        (daemonless; its OCI runtime is the system runc: crun
+#                        is not pulled in, Debian's crun 1.8 has no checkpoint)
 # The tests start private instances (tests/e2e/daemons.py) with their own
 # root/state/sockets; a system containerd on /run/containerd/containerd.sock
 # or a system dockerd on /var/run/docker.sock is not used and is not wanted.
@@ -17,7 +19,7 @@
 # Idempotent: a second run only verifies. Must run as root.
 set -euo pipefail
 
-PKGS=(containerd docker.io)
+PKGS=(containerd docker.io podman)
 FORCE=0
 POLICY=/usr/sbin/policy-rc.d
 POLICY_OURS=0
@@ -103,7 +105,7 @@ fi
 
 # ---------------------------------------------------------------- services off
 if [[ -d /run/systemd/system ]]; then
-    for unit in docker.socket docker.service containerd.service; do
+    for unit in docker.socket docker.service containerd.service podman.socket podman.service; do
         if systemctl list-unit-files "$unit" >/dev/null 2>&1; then
             systemctl disable --now "$unit" >/dev/null 2>&1 || log "note: could not disable $unit"
         fi
@@ -121,7 +123,7 @@ else
 fi
 
 # ---------------------------------------------------------------- verify
-for bin in /usr/bin/containerd /usr/bin/ctr /usr/bin/containerd-shim-runc-v2 /usr/sbin/dockerd /usr/bin/docker; do
+for bin in /usr/bin/containerd /usr/bin/ctr /usr/bin/containerd-shim-runc-v2 /usr/sbin/dockerd /usr/bin/docker /usr/bin/podman /usr/bin/conmon; do
     [[ -x $bin ]] || die "$bin missing after install"
 done
 command -v runc >/dev/null || die "runc not on PATH"
@@ -129,7 +131,9 @@ CTRD_V=$(/usr/bin/containerd --version | awk '{print $3}')
 DOCKERD_V=$(/usr/sbin/dockerd --version | sed -n 's/^Docker version \([^,]*\),.*/\1/p')
 [[ $CTRD_V == 1.6.* ]] || log "warning: containerd $CTRD_V, tests were written against 1.6.20"
 [[ $DOCKERD_V == 20.10.* ]] || log "warning: dockerd $DOCKERD_V, tests were written against 20.10"
-log "containerd $CTRD_V, dockerd $DOCKERD_V, $(runc --version | head -1)"
+PODMAN_V=$(/usr/bin/podman --version | awk '{print $3}')
+[[ $PODMAN_V == 4.* ]] || log "warning: podman $PODMAN_V, tests were written against 4.3"
+log "containerd $CTRD_V, dockerd $DOCKERD_V, podman $PODMAN_V, $(runc --version | head -1)"
 
 running=$(pids_of "${DAEMONS[@]}" | tr '\n' ' ')
 [[ -z $running ]] || log "warning: containerd/dockerd processes running (pids: $running) - not started by this run"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the test suite needs on a fresh Debian 12 machine (runc,
-# CRIU 4.1, containerd, docker, gcc, the Python test tools), then run the linter
+# CRIU 4.1, containerd, docker, podman, gcc, the Python test tools), then run the linter
 # and the whole suite. Run as root: the end-to-end tests drive
 # real runc and CRIU. Extra arguments go to pytest.
 set -euo pipefail

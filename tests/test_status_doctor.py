@@ -149,3 +149,21 @@ def test_status_does_not_probe_during_a_checkpoint_or_a_dump(node) -> None:  # t
         os.kill(pid, signal.SIGCONT)
     r = cli(cfg, "status")
     assert f"pid {pid}" in r.stdout and "running" in r.stdout
+
+
+def test_podman_runtime_follows_containers_conf(tmp_path: Path) -> None:
+    from cudahook.admin.doctor import _podman_runtime, podman_runtime
+
+    assert podman_runtime(tmp_path, crun_installed=True) == ("crun", "podman's default")
+    assert podman_runtime(tmp_path, crun_installed=False) == ("runc", "podman's default")
+    share = tmp_path / "usr/share/containers/containers.conf"
+    share.parent.mkdir(parents=True)
+    share.write_text('[engine]\nruntime = "crun"\n')
+    assert podman_runtime(tmp_path, False) == ("crun", str(share))
+    assert _podman_runtime(tmp_path, False).status == "warn"
+    d = tmp_path / "etc/containers/containers.conf.d"
+    d.mkdir(parents=True)
+    (d / "50-gpu.conf").write_text('[engine]\nruntime = "runc"\n')
+    (d / "60-broken.conf").write_text("[engine\n")  # podman itself refuses it; not ours to say
+    assert podman_runtime(tmp_path, True) == ("runc", str(d / "50-gpu.conf"))
+    assert _podman_runtime(tmp_path, True).status == "ok"

@@ -86,6 +86,33 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--hooks-dir", help="where the hook executables are "
                     "(default: PREFIX/libexec of this installation)")
     cf.add_argument("--root", default=None, help=argparse.SUPPRESS)
+    mg = sub.add_parser("migrate", help="move a GPU container to another node (podman)")
+    mgs = mg.add_subparsers(dest="migrate_cmd", required=True, parser_class=_Parser)
+    mgc = mgs.add_parser("checkpoint", parents=[common],
+                         help="checkpoint a container into an archive (and ARCHIVE.sha256)")
+    mgc.add_argument("container")
+    mgc.add_argument("archive")
+    mgc.add_argument("--leave-running", action="store_true",
+                     help="the container goes on here after the checkpoint")
+    mgc.add_argument("--compress", choices=("gzip", "none"), default="gzip")
+    mgr = mgs.add_parser("restore", parents=[common],
+                         help="restore a container from an archive onto this node's GPUs")
+    mgr.add_argument("archive")
+    mgr.add_argument("--name", help="the restored container's name (default: the original's)")
+    mgr.add_argument("--gpus", help="this node's GPU UUIDs to restore onto, comma separated "
+                     "(default: the same GPUs if all are here, else the first ones)")
+    mgr.add_argument("--no-verify", action="store_true",
+                     help="restore without ARCHIVE.sha256 (the tar is still read to the end)")
+    mgr.add_argument("--dry-run", action="store_true",
+                     help="check the archive and this node (exit 0, 2, 5 or 6), restore nothing")
+    mgr.add_argument("--work-dir", help="where the copy naming this node's GPUs is written "
+                     "(default: $TMPDIR; as large as the archive, uncompressed)")
+    for sp in (mgc, mgr):
+        sp.add_argument("--podman", default="podman",
+                        help="the podman command line, global options included "
+                        "(default: podman)")
+        sp.add_argument("--timeout", type=float, default=3600.0,
+                        help="deadline for podman's checkpoint or restore, in seconds")
     dm = sub.add_parser("demo", help="checkpoint and restore a simulated GPU container")
     dm.add_argument("--processes", action="store_true",
                     help="the process-level demo (no runc/CRIU needed)")
@@ -135,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         return demo(processes_only=args.processes)
 
     settings = config.load(args.config)
+    if args.cmd == "migrate":
+        return _migrate(args, settings, Host())
     if getattr(args, "sequential", None):
         settings = settings.with_overrides(sequential=True)
     if getattr(args, "lock_timeout_ms", None) is not None:
@@ -231,6 +260,34 @@ def run(args: argparse.Namespace) -> int:
         device_map = _device_map(args)
         result = engine.restore(resolve(False), device_map)
     _emit(args, result.to_dict(), _summary(result))
+    return Exit.OK
+
+
+def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
+    from pathlib import Path
+
+    from cudahook.hooks.context import Context
+
+    from . import migrate
+
+    ctx = Context(settings, host)
+    podman = migrate.podman_argv(args.podman)
+    if args.migrate_cmd == "checkpoint":
+        out = migrate.checkpoint(ctx, podman, args.container, Path(args.archive),
+                                 leave_running=args.leave_running, compress=args.compress,
+                                 timeout=args.timeout)
+        _emit(args, out, f"{out['container']}: checkpointed into {out['archive']} "
+              f"({out['bytes']} bytes, sha256 {out['sha256']}); copy it with "
+              f"{Path(out['archive']).name}{migrate.SIDECAR}")
+        return Exit.OK
+    gpus = [u.strip() for u in args.gpus.split(",") if u.strip()] if args.gpus else None
+    out = migrate.restore(ctx, podman, Path(args.archive), name=args.name, gpus=gpus,
+                          verify=not args.no_verify, timeout=args.timeout,
+                          work_dir=args.work_dir, dry_run=args.dry_run)
+    moved = ", ".join(f"{a}={b}" for a, b in (out["device_map"] or {}).items())
+    _emit(args, out, f"{out['container']}: {'would be restored' if args.dry_run else 'restored'}"
+          + (f" onto {', '.join(out['gpus'])}" if out["gpus"] else "")
+          + (f" (device map {moved})" if moved else ""))
     return Exit.OK
 
 

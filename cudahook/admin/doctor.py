@@ -184,7 +184,47 @@ def _registrations(j: Journal) -> list[Check]:
         out.append(Check("podman/CRI-O registration", "ok" if hooks_d.exists() else "warn",
                          "hooks.d definitions present" if hooks_d.exists() else "not registered",
                          "" if hooks_d.exists() else "cudahook configure --runtime podman"))
+    if shutil.which("podman"):
+        out.append(_podman_runtime(j.root, shutil.which("crun") is not None))
     return out
+
+
+# containers.conf files in the order podman reads them: a later one wins.
+CONTAINERS_CONF = ("/usr/share/containers/containers.conf", "/etc/containers/containers.conf")
+CONTAINERS_CONF_D = "/etc/containers/containers.conf.d"
+
+
+def podman_runtime(root: Path, crun_installed: bool) -> tuple[str, str]:
+    """The OCI runtime podman runs by default, and where that was decided:
+    `runtime` under [engine] in the last containers.conf that sets it, else
+    podman 4's own choice (crun where installed, else runc)."""
+    import tomllib
+
+    conf_d = root / CONTAINERS_CONF_D.lstrip("/")
+    files = [root / f.lstrip("/") for f in CONTAINERS_CONF]
+    if conf_d.is_dir():
+        files += sorted(p for p in conf_d.iterdir() if p.suffix == ".conf")
+    found = ("crun" if crun_installed else "runc", "podman's default")
+    for f in files:
+        try:
+            engine = tomllib.loads(f.read_text()).get("engine") or {}
+        except (OSError, ValueError):
+            continue  # podman refuses a broken file itself
+        if isinstance(engine, dict) and isinstance(engine.get("runtime"), str):
+            found = (engine["runtime"], str(f))
+    return found
+
+
+def _podman_runtime(root: Path, crun_installed: bool) -> Check:
+    runtime, where = podman_runtime(root, crun_installed)
+    if Path(runtime).name.startswith("crun"):
+        return Check("podman runtime", "warn",
+                     f"podman runs {runtime} ({where}): crun's restore runs no OCI hooks "
+                     "(no restore onto other GPUs), and crun before containers/crun#1892 with "
+                     "libcriu 4.2 names no CRIU configuration (the action script does not run)",
+                     'set runtime = "runc" under [engine] in /etc/containers/containers.conf, '
+                     "or run GPU containers with podman --runtime runc")
+    return Check("podman runtime", "ok", f"podman runs {runtime} ({where})")
 
 
 def _dangling(root: Path) -> list[Check]:

@@ -459,3 +459,49 @@ def test_docker_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) 
         assert_hooked(node, cid, bundle, new_pid)
         node.assert_no_errors(cid)
         d.docker("rm", "-f", cid)
+
+
+def test_docker_recipe_moves_a_checkpoint_onto_other_gpus(node: Node, image: Path,
+                                                          tmp_path: Path) -> None:
+    """README's docker recipe: `docker checkpoint create --checkpoint-dir`, the
+    directory copied into a new container's checkpoints directory (docker
+    20.10 refuses `start --checkpoint-dir`: "custom checkpointdir is not
+    supported"), the new container naming other GPUs started from it with
+    `docker start --checkpoint`. (Both ends on this node's simulated GPUs;
+    tests/e2e/test_migrate.py moves podman and runc checkpoints between nodes.)"""
+    runtimes = json.loads(DAEMON_JSON.read_text())["runtimes"]
+    a, b = node.lab.uuids[:2]
+    spec = gpu_spec(node.lab, "mv")
+    tags = spec.tags
+
+    def create(*extra: str) -> list[str]:
+        args = ["--runtime", "cudahook", "--network", "none", *extra]
+        for host, dest, ro in spec.binds:
+            args += ["--mount", f"type=bind,source={host},target={dest},bind-nonrecursive=true"
+                     + (",readonly" if ro else "")]
+        return args
+
+    with Dockerd(tmp_path / "dockerd", extra_config={"runtimes": runtimes}) as d:
+        name = d.load_image(image)
+        env = [x for e in spec.env for x in ("-e", e)]
+        src = d.docker("run", "-d", *create(*env), name, *spec.cmd).stdout.strip()
+        node.wait_running(tags, steps=3)
+        ckdir = tmp_path / "checkpoints"
+        tree = process_tree(d.pid(src))
+        d.docker("checkpoint", "create", "--checkpoint-dir", str(ckdir), src, "move", timeout=120)
+        frozen = node.frozen(tags, tree)
+        assert (ckdir / "move" / "cudahook-manifest.json").is_file()
+        copied = tmp_path / "transit"
+        shutil.copytree(ckdir, copied)
+        env_b = [x for e in spec.env for x in
+                 ("-e", f"NVIDIA_VISIBLE_DEVICES={b}" if e.startswith("NVIDIA_VISIBLE") else e)]
+        dst = d.docker("create", *create(*env_b), name, *spec.cmd).stdout.strip()
+        shutil.copytree(copied / "move", d.data_root / "containers" / dst / "checkpoints" / "move")
+        with node.resumed(tags) as reports:
+            d.docker("start", "--checkpoint", "move", dst, timeout=120)
+            first = reports.assert_from(frozen, frozen)
+        node.wait_running(tags, first)
+        assert {node.lab.status(t)["gpu"] for t in tags} == {b}
+        (restore,) = node.wait_event(dst, "restore")
+        assert restore["device_map"] == {a: b}
+        d.docker("rm", "-f", src, dst)
