@@ -11,6 +11,12 @@
 #   --prefix DIR        install here (default /opt/cudahook)
 #   --runtime NAME      also register with runc|containerd|docker|podman|crio (repeatable)
 #   --default-runtime   with --runtime docker: make cudahook docker's default runtime
+#   --criu-registration global|gpu-only
+#                       global (the default on a new install): the CRIU action script
+#                       in /etc/criu/runc.conf, run for every container's checkpoint;
+#                       gpu-only: the runtime wrapper gives each GPU container a CRIU
+#                       configuration naming it, so other containers pay nothing, but
+#                       containers created without the wrapper are not covered
 #   --with-criu         provide a working CRIU >= 4.0 in PREFIX/criu, linked as
 #                       /usr/local/sbin/criu (removed again by --uninstall)
 #   --force             install even though cudahook is installed at another prefix
@@ -34,6 +40,7 @@ ROOT=${ROOT%/}
 PREFIX=$ROOT/opt/cudahook
 RUNTIMES=()
 DEFAULT_RT=""
+CRIU_REG=()
 WITH_CRIU=0
 FORCE=""
 KEEP_CRIU=""
@@ -54,13 +61,16 @@ while (($#)); do
         --runtime) [[ $# -ge 2 ]] || usage "--runtime needs a name"; RUNTIMES+=("$2"); shift 2 ;;
         --runtime=*) RUNTIMES+=("${1#*=}"); shift ;;
         --default-runtime) DEFAULT_RT=--default-runtime; shift ;;
+        --criu-registration) [[ $# -ge 2 ]] || usage "--criu-registration needs global or gpu-only"
+            CRIU_REG=(--criu-registration "$2"); shift 2 ;;
+        --criu-registration=*) CRIU_REG=(--criu-registration "${1#*=}"); shift ;;
         --with-criu) WITH_CRIU=1; shift ;;
         --force) FORCE=--force; shift ;;
         --keep-criu) KEEP_CRIU=--keep-criu; shift ;;
         --dev) DEV=1; shift ;;
         --dry-run) DRY=--dry-run; shift ;;
         --uninstall) UNINSTALL=1; shift ;;
-        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) usage "unknown option: $1 (see --help)" ;;
     esac
 done
@@ -69,6 +79,7 @@ PREFIX=${PREFIX%/}
 for rt in "${RUNTIMES[@]}"; do
     case $rt in runc|containerd|docker|podman|crio) ;; *) usage "unknown runtime: $rt" ;; esac
 done
+case ${CRIU_REG[1]-global} in global|gpu-only) ;; *) usage "unknown CRIU registration: ${CRIU_REG[1]}" ;; esac
 [[ -n $KEEP_CRIU && $UNINSTALL -eq 0 ]] && usage "--keep-criu goes with --uninstall"
 # A node in a directory (CUDAHOOK_ROOT) needs no root; the real node does.
 [[ -n $ROOT || $(id -u) -eq 0 ]] || die "run as root: the hooks and /etc/criu/runc.conf are root's"
@@ -130,5 +141,5 @@ fi
 rtargs=()
 for rt in "${RUNTIMES[@]}"; do rtargs+=(--runtime "$rt"); done
 installer install --python "$PREFIX/venv/bin/python" --source "$SRC" \
-    "${rtargs[@]}" "${owns[@]}" "${criuargs[@]}" $DEFAULT_RT $DRY $FORCE || exit $?
+    "${rtargs[@]}" "${owns[@]}" "${criuargs[@]}" "${CRIU_REG[@]}" $DEFAULT_RT $DRY $FORCE || exit $?
 [[ -n $DRY ]] || say "done: run 'cudahook doctor' to check the node"

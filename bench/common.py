@@ -267,7 +267,8 @@ def execute(run: Callable[[argparse.Namespace], Result], args: argparse.Namespac
     t0 = time.monotonic()
     load0 = os.getloadavg()
     git0 = git_state()  # others edit this checkout: record what THIS benchmark ran
-    with cleanup_on_signals():
+    untouched = {p: os.path.lexists(p) for p in NODE_PATHS}
+    with cleanup_on_signals(), node_root() as root:
         try:
             res = run(args)
         except Exception as exc:  # a benchmark that cannot run reports why
@@ -279,7 +280,37 @@ def execute(run: Callable[[argparse.Namespace], Result], args: argparse.Namespac
     res.wall_s = time.monotonic() - t0
     res.extra["loadavg_start_end"] = [load0, os.getloadavg()]
     res.extra["git_at_start"] = git0
+    res.extra["node_root"] = str(root)
+    touched = [p for p, was in untouched.items() if os.path.lexists(p) != was]
+    if touched:  # a variant ran without the node root: the benchmark is wrong
+        res.notes.append(f"WROTE THE NODE'S {', '.join(touched)}: remove, fix the benchmark")
     return res
+
+
+# The node's own cudahook paths: a benchmark must leave them as it found them.
+NODE_PATHS = ("/run/cudahook", "/run/cudahook-marks", "/etc/cudahook", "/etc/criu/runc.conf",
+              "/var/log/cudahook.log", "/var/lib/cudahook", "/opt/cudahook")
+
+
+@contextlib.contextmanager
+def node_root() -> Iterator[Path]:
+    """A node root of the benchmark's own (CUDAHOOK_ROOT, see
+    cudahook/platform/paths.py) for the whole run: the marks, state,
+    registration files and journals that the hooks and installs under test
+    write go there, never to the node's /run, /etc or /var. Hooks installed
+    meanwhile carry it baked in (runtimes start hooks with an environment
+    of their own); CRIU and the hooks' own children inherit it."""
+    old = os.environ.get("CUDAHOOK_ROOT")
+    d = Path(tempfile.mkdtemp(prefix="cudahook-bench-root-"))
+    os.environ["CUDAHOOK_ROOT"] = str(d)
+    try:
+        yield d
+    finally:
+        if old is None:
+            os.environ.pop("CUDAHOOK_ROOT", None)
+        else:
+            os.environ["CUDAHOOK_ROOT"] = old
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def meta(args: argparse.Namespace | None = None) -> dict[str, Any]:
@@ -372,14 +403,15 @@ def write_config(path: Path, **settings: Any) -> Path:
 class Runc:
     """runc with a private --root, stdio on /dev/null, and guaranteed deletion."""
 
-    def __init__(self, work: Path, criu: Path | None = None):
+    def __init__(self, work: Path, criu: Path | None = None, runc: str | None = None):
         self.work = work
         self.root = work / "runc-root"
         self.root.mkdir(parents=True, exist_ok=True)
         self.logfile = work / "runc.log"
         self.criu = criu
         self.ids: set[str] = set()
-        self.runc = shutil.which("runc") or "runc"
+        # `runc`: a runtime wrapper standing in for runc (cudahook-runtime).
+        self.runc = runc or shutil.which("runc") or "runc"
 
     def argv(self, *args: str) -> list[str]:
         base = [self.runc, "--root", str(self.root), "--log", str(self.logfile)]

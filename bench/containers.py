@@ -48,7 +48,8 @@ class Install:
         }
 
 
-def busybox_bundle(path: Path, args: list[str], install: Install | TrueInstall | None, *,
+def busybox_bundle(path: Path, args: list[str],
+                   install: Install | TrueInstall | GpuOnlyInstall | None, *,
                    action_script: bool = True) -> Path:
     """A busybox-only bundle; with `install`, cudahook registered the way an
     operator would: OCI hooks in config.json and (for CRIU) the action script
@@ -59,6 +60,32 @@ def busybox_bundle(path: Path, args: list[str], install: Install | TrueInstall |
     notes = {"org.criu.config": str(install.criu_conf) if install and action_script else ""}
     return make_bundle(path, args, host_usr=False, annotations=notes,
                        hooks=install.oci_hooks() if install else None)
+
+
+class GpuOnlyInstall:
+    """cudahook installed as an operator would with `--criu-registration
+    gpu-only`: hooks in a tmp dir, the node root's runc.conf registered
+    gpu-only (the site's options kept, a comment naming the script), and
+    every runc call through the installed wrapper (`runtime`). A container
+    without a GPU gets no OCI hooks from the wrapper, and runc hands CRIU the
+    node's runc.conf: named here through org.criu.config, as the node lives
+    under a root of its own."""
+
+    def __init__(self, tmp: Path, root: Path, site_conf: str = ""):
+        from cudahook.admin.configure import configure
+
+        self.install = Install(tmp)
+        self.dir = tmp
+        self.runtime = self.install.runtime
+        self.criu_conf = root / "etc/criu/runc.conf"
+        self.criu_conf.parent.mkdir(parents=True, exist_ok=True)
+        if site_conf:
+            self.criu_conf.write_text(site_conf)
+        configure("runc", self.install.oci_hook.parent, root=str(root),
+                  criu_registration="gpu-only")
+
+    def oci_hooks(self) -> None:
+        return None  # the wrapper adds them to GPU containers only
 
 
 class TrueInstall:

@@ -111,7 +111,10 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
         try:
             if cg:
                 wait_members(cg, 3)
-            base_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+            # The run's node root (bench/common.py): a Python variant that
+            # loads the configuration writes its cache under it, never the node's.
+            base_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+                        "CUDAHOOK_ROOT": os.environ["CUDAHOOK_ROOT"]}
 
             def env(act: str, init: bool = True) -> dict[str, str]:
                 e = {**base_env, "CRTOOLS_SCRIPT_ACTION": act, "CRTOOLS_IMAGE_DIR": str(image)}

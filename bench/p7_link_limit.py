@@ -53,11 +53,14 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
             if not lab.libcuda.exists():
                 raise RuntimeError("the fake libcuda.so.1 was not built (is gcc installed?)")
             for i in range(gpus):
-                # Quiet workloads: a memory check of hundreds of MiB would load the CPUs.
+                # Quiet workloads: a memory check of hundreds of MiB would load
+                # the CPUs, so they check only after each restore, and the
+                # benchmark waits for those checks outside the timed phases.
                 procs.append(lab.spawn(f"g{i}", mib=args.mib, gpu=i, interval_ms=500,
-                                       check_every=100000))
+                                       check_every=100000, check_after_restore=True))
             pids = [lab.wait_counter(f"g{i}", timeout=120)["pid"] for i in range(gpus)]
             log(f"P7: {gpus} processes, {args.mib} MiB each, one per GPU")
+            restores = 0
             for r in range(reps):
                 order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
                 for kind in order:
@@ -69,6 +72,8 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                         samples.setdefault(f"{phase}-{kind}", []).append(dt)
                         cycle += dt
                     samples.setdefault(f"cycle-{kind}", []).append(cycle)
+                    restores += 1
+                    verify(lab, gpus, restores)
                 log(f"P7 rep {r + 1}/{reps}: " + ", ".join(
                     f"{k} {v[-1]:.2f}s" for k, v in samples.items() if k.startswith("cycle")))
             for i in range(gpus):
@@ -95,6 +100,25 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
     res.extra["settings"] = {"attach_latency_s": args.attach_latency, "gpus": gpus,
                              "mib": args.mib, "bandwidth_mib_s": args.bandwidth, "driver": 580}
     return res
+
+
+def verify(lab, gpus: int, restores: int) -> None:  # type: ignore[no-untyped-def]
+    """Each workload's memory check after its `restores`-th restore, just
+    made (untimed): it ran again and its whole device memory is what it was."""
+    import time
+
+    deadline = time.monotonic() + 120
+    for i in range(gpus):
+        tag = f"g{i}"
+        while True:
+            st = lab.status(tag)
+            if st.get("errors") or st.get("intact") is False:
+                raise RuntimeError(f"workload {tag} after a restore: {st}")
+            if st.get("checked_restores") == restores:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workload {tag} did not check its memory: {st}")
+            time.sleep(0.05)
 
 
 run.bench_id = "P7"  # type: ignore[attr-defined]

@@ -119,3 +119,39 @@ def test_journal_restores_symlinks_and_absent_files(tmp_path: Path) -> None:
     assert kept == [] and len(restored) == 2
     assert not link.exists() and not (tmp_path / "etc/new").exists()
     assert not (tmp_path / "usr/local/bin").exists()  # directories it made are gone too
+
+
+def test_criu_registration_gpu_only_and_back_to_global(root: Path) -> None:
+    """gpu-only leaves runc.conf's own options and only a comment naming the
+    script (the wrapper registers it per GPU container); switching back, or
+    reverting, puts the file back as it was."""
+    from cudahook.admin import registrations
+    from cudahook.platform import criuconf
+
+    before = tree(root)
+    script = f"{HOOKS}/cudahook-criu-action"
+    lines = configure("runc", HOOKS, root=str(root), criu_registration="gpu-only")
+    conf = (root / "etc/criu/runc.conf").read_text()
+    assert conf.startswith("tcp-established\n")
+    assert criuconf.action_scripts(conf) == []  # no container's CRIU runs it from here
+    assert criuconf.registration(conf) == ("gpu-only", script)
+    assert any("gpu-only" in x and "not covered" in x for x in lines)
+    # Without the flag, a later configure keeps the mode it finds.
+    assert "runc: already configured" in configure("runc", HOOKS, root=str(root))
+    configure("docker", HOOKS, root=str(root))
+    assert (root / "etc/criu/runc.conf").read_text() == conf
+    configure("runc", HOOKS, root=str(root), criu_registration="global")
+    conf = (root / "etc/criu/runc.conf").read_text()
+    assert criuconf.registration(conf) == ("global", script)
+    assert conf.splitlines()[1:] == [criuconf.COMMENT, f"action-script {script}"]  # no gpu-only line
+    # strip (uninstall of a file changed since) removes either form.
+    gpu_only = f"x\n{criuconf.gpu_only_line(script)}\n".encode()
+    assert registrations.strip("criu", gpu_only, lambda exe: True) == b"x\n"
+    configure("docker", HOOKS, root=str(root), revert=True)
+    configure("runc", HOOKS, root=str(root), revert=True)
+    assert tree(root) == before
+    lines = configure("podman", HOOKS, root=str(root), criu_registration="gpu-only",
+                      dry_run=True)
+    assert any("podman creates containers without the wrapper" in x for x in lines)
+    with pytest.raises(ConfigureError, match="unknown CRIU registration"):
+        configure("runc", HOOKS, root=str(root), criu_registration="some")

@@ -59,6 +59,13 @@ def test_the_library_exports_the_driver_api_and_names_its_errors(node) -> None: 
     assert lib.cuCheckpointProcessGetState(os.getpid(), ctypes.byref(state)) == 3
 
 
+def helpers(node) -> list[str]:  # type: ignore[no-untyped-def]
+    """The driver helper processes running for this node's libcuda."""
+    out = subprocess.run(["pgrep", "-f", "driver_helper.py " + str(node.lab.libcuda)],
+                         capture_output=True, text=True)
+    return out.stdout.split()
+
+
 def test_one_attach_per_phase_and_shared_state_with_the_tool(make_node) -> None:  # type: ignore[no-untyped-def]
     node = make_node(driver=580, attach_latency_s=0.5)
     pids = workers(node, 4)
@@ -73,6 +80,9 @@ def test_one_attach_per_phase_and_shared_state_with_the_tool(make_node) -> None:
     assert result.ok and engine_backend.attaches == 1  # type: ignore[attr-defined]
     # 4 processes x 3 calls through the CLI would pay 12 attaches of 0.5 s.
     assert took < 2 * 0.5 + 1.0, took
+    # The phase's helper exited with the phase, not with this process.
+    assert engine_backend._helper is None  # type: ignore[attr-defined]
+    assert helpers(node) == []
     cli = CudaCheckpointCLI(host, settings)
     assert {cli.get_state(p) for p in pids} == {"checkpointed"}
     # Restored by the tool, unlocked through the library, and the other way round.
@@ -130,11 +140,10 @@ def test_a_hung_driver_call_is_abandoned_and_the_phase_rolls_back(make_node) -> 
     assert err.value.safe and res.rolled_back
     assert "timed out" in res.errors[pids[1]]
     assert res.final == {p: "running" for p in pids}
-    # The hung helper's group is gone; the rollback ran in a fresh one.
+    # The hung helper's group is gone; the rollback ran in a fresh one,
+    # which exited with the phase.
     assert backend.attaches == 2  # type: ignore[attr-defined]
-    out = subprocess.run(["pgrep", "-f", "driver_helper.py " + str(node.lab.libcuda)],
-                         capture_output=True, text=True)
-    assert len(out.stdout.split()) <= 1  # at most the live one, never the hung one
+    assert helpers(node) == []
 
 
 def test_restore_with_gpu_pairs_moves_the_process(make_node) -> None:  # type: ignore[no-untyped-def]

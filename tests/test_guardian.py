@@ -8,7 +8,6 @@ import os
 import subprocess
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ def _args(node: Node, criu: subprocess.Popen[bytes], pids: list[int]) -> str:
     return json.dumps({
         "criu_pid": criu.pid, "criu_start": host.start_time(criu.pid), "container": "c1",
         "procs": [(p, host.start_time(p)) for p in pids],
-        "settings": asdict(node.settings()),
+        "settings": node.settings().as_dict(),
     })
 
 

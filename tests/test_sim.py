@@ -487,3 +487,35 @@ def test_copies_share_a_gpus_link_and_run_in_parallel_across_gpus(make_node) -> 
     one_copy = 8 / 16
     assert checkpoint_all(apart) < 2 * one_copy  # two links side by side
     assert checkpoint_all(together) >= 2 * one_copy  # one link, taken in turns
+
+
+def test_the_host_copy_is_the_processs_memory_and_a_lost_page_is_caught(node) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint leaves the device memory in a memfd the process holds
+    (what CRIU dumps with it), the GPU's own reference gone; what the restore
+    puts back is that memory, byte for byte: a page changed in it fails the
+    workload's memory check."""
+    p = node.spawn("w", mib=4, check_every=1)
+    node.lab.wait_counter("w", 2)
+    pid = str(p.pid)
+    for action in ("lock", "checkpoint"):
+        assert cc(node, "--action", action, "--pid", pid).returncode == 0
+    copies = [f"/proc/{pid}/fd/{n}" for n in os.listdir(f"/proc/{pid}/fd")
+              if "cudahook-sim-device-memory" in os.readlink(f"/proc/{pid}/fd/{n}")]
+    assert copies and sum(os.stat(c).st_size for c in copies) >= 4 << 20
+    gpu = node.lab.info()["gpus"][0]
+    assert gpu["memory_used_mib"] == 0  # on the host now, not on the GPU
+    big = max(copies, key=lambda c: os.stat(c).st_size)
+    fd = os.open(big, os.O_RDWR)
+    try:
+        page = os.pread(fd, 4096, 1 << 20)
+        os.pwrite(fd, bytes(b ^ 0xFF for b in page), 1 << 20)
+    finally:
+        os.close(fd)
+    for action in ("restore", "unlock"):
+        assert cc(node, "--action", action, "--pid", pid).returncode == 0
+    deadline = time.monotonic() + 10
+    while node.lab.status("w").get("intact") is not False:
+        assert time.monotonic() < deadline, node.lab.status("w")
+        time.sleep(0.05)
+    assert not [n for n in os.listdir(f"/proc/{pid}/fd")
+                if "cudahook-sim-device-memory" in os.readlink(f"/proc/{pid}/fd/{n}")]

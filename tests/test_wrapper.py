@@ -76,3 +76,100 @@ def test_installed_wrapper_passes_everything_to_runc(tmp_path: Path) -> None:
     assert entry["level"] == "info" and "added OCI hooks" in entry["msg"]
     hooks = json.loads((b / "config.json").read_text())["hooks"]
     assert hooks["createRuntime"][0]["path"] == str(paths["cudahook-oci-hook"])
+
+
+def _criu_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runc_conf: str | None
+                ) -> Path:
+    """A node root with a config whose state_dir is in it (and runc.conf)."""
+    import yaml
+
+    root = tmp_path / "root"
+    (root / "etc/criu").mkdir(parents=True)
+    if runc_conf is not None:
+        (root / "etc/criu/runc.conf").write_text(runc_conf)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
+    monkeypatch.setenv("CUDAHOOK_ROOT", str(root))
+    monkeypatch.setenv("CUDAHOOK_CONFIG", str(cfg))
+    (tmp_path / "b").mkdir()
+    return tmp_path / "state"
+
+
+def test_gpu_only_a_gpu_container_gets_its_own_criu_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudahook.platform import criuconf
+
+    state = _criu_setup(tmp_path, monkeypatch, "tcp-established\n"
+                        + criuconf.gpu_only_line("/opt/h/cudahook-criu-action") + "\n")
+    b = bundle(tmp_path / "b", ["NVIDIA_VISIBLE_DEVICES=0"])
+    assert add_hooks(str(b), "/opt/h/cudahook-oci-hook", "c-1")
+    notes = json.loads((b / "config.json").read_text())["annotations"]
+    copy = state / "criu" / "c-1.conf"
+    assert notes == {"org.criu.config": str(copy)}
+    assert copy.read_text().splitlines() == [
+        "tcp-established", criuconf.COMMENT, "action-script /opt/h/cudahook-criu-action"]
+    assert copy.stat().st_mode & 0o777 == 0o600
+    # runc restore of the same bundle after poststop removed the copy: written again.
+    copy.unlink()
+    assert not add_hooks(str(b), "/opt/h/cudahook-oci-hook", "c-1")
+    assert "action-script /opt/h/cudahook-criu-action" in copy.read_text()
+    # A non-GPU container: no copy, config.json untouched.
+    (tmp_path / "p").mkdir()
+    p = bundle(tmp_path / "p", [])
+    before = (p / "config.json").read_bytes()
+    assert not add_hooks(str(p), "/opt/h/cudahook-oci-hook", "plain")
+    assert (p / "config.json").read_bytes() == before
+    assert sorted(os.listdir(state / "criu")) == ["c-1.conf"]
+
+
+def test_a_containers_own_criu_config_is_kept_and_global_needs_no_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudahook.platform import criuconf
+
+    state = _criu_setup(tmp_path, monkeypatch, f"{criuconf.COMMENT}\n"
+                        "action-script /opt/h/cudahook-criu-action\n")
+    own = tmp_path / "own.conf"
+    own.write_text("ghost-limit 1M\n")
+    b = bundle(tmp_path / "b", ["NVIDIA_VISIBLE_DEVICES=0"], {"org.criu.config": str(own)})
+    # Global registration, but the container names its own file, which lacks the script.
+    assert add_hooks(str(b), "/opt/h/cudahook-oci-hook", "c-2")
+    notes = json.loads((b / "config.json").read_text())["annotations"]
+    assert notes == {"org.criu.config": str(state / "criu" / "c-2.conf"),
+                     "cudahook.io/criu-config": str(own)}
+    assert (state / "criu" / "c-2.conf").read_text().startswith("ghost-limit 1M\n")
+    # Its own file names the script now: runc's choice covers it, the copy goes.
+    own.write_text("action-script /opt/h/cudahook-criu-action\n")
+    assert add_hooks(str(b), "/opt/h/cudahook-oci-hook", "c-2")
+    assert json.loads((b / "config.json").read_text())["annotations"] == {
+        "org.criu.config": str(own)}
+    assert not (state / "criu" / "c-2.conf").exists()
+    # Global, no annotation: nothing to add for CRIU.
+    (tmp_path / "g").mkdir()
+    g = bundle(tmp_path / "g", ["NVIDIA_VISIBLE_DEVICES=0"])
+    add_hooks(str(g), "/opt/h/cudahook-oci-hook", "c-3")
+    assert json.loads((g / "config.json").read_text())["annotations"] == {}
+    # The annotation the wrapper adds is one cudahook accepts at createRuntime.
+    from cudahook.hooks.annotations import parse
+
+    parse({"cudahook.io/criu-config": str(own)})
+
+
+def test_criu_copies_are_bounded_and_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    from cudahook.platform import criuconf
+
+    state = tmp_path / "state"
+    monkeypatch.setattr(criuconf, "MAX_FILES", 3)
+    for cid in ("a", "b", "c"):
+        criuconf.write(state, cid, "x\n")
+    (state / "containers").mkdir()
+    (state / "containers" / "a.json").write_text("{}")
+    with pytest.raises(OSError, match="already holds 3"):
+        criuconf.write(state, "d", "x\n")  # all three are fresh
+    old = 1_000_000.0
+    for cid in ("a", "b"):
+        os.utime(state / "criu" / f"{cid}.conf", (old, old))
+    criuconf.write(state, "d", "x\n")  # b (old, no record) made room; a has a record
+    assert sorted(os.listdir(state / "criu")) == ["a.conf", "c.conf", "d.conf"]
+    with pytest.raises(ValueError):
+        criuconf.conf_path(state, "../x")

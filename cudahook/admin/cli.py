@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--dry-run", action="store_true", help="show the changes, make none")
     cf.add_argument("--revert", action="store_true", help="undo this runtime's registration")
     cf.add_argument("--default", action="store_true", help="docker: make it the default runtime")
+    cf.add_argument("--criu-registration", choices=("global", "gpu-only"), default=None,
+                    help="the CRIU action script for every container (global: in "
+                    "/etc/criu/runc.conf) or only for GPU containers created through the "
+                    "runtime wrapper (gpu-only); default: as registered now, else global")
     cf.add_argument("--hooks-dir", help="where the hook executables are "
                     "(default: PREFIX/libexec of this installation)")
     cf.add_argument("--root", default=None, help=argparse.SUPPRESS)
@@ -151,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         root = args.root if args.root is not None else str(paths.root())
         try:
             lines = configure(args.runtime, hooks_dir, root=root, default=args.default,
-                              dry_run=args.dry_run, revert=args.revert)
+                              dry_run=args.dry_run, revert=args.revert,
+                              criu_registration=args.criu_registration)
         except ConfigureError as exc:
             raise UsageError(str(exc)) from None
         print("\n".join(lines))

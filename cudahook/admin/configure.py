@@ -1,8 +1,11 @@
 """`cudahook configure`: register cudahook with a container runtime, reversibly.
 
 - runc: the CRIU action script in /etc/criu/runc.conf (runc hands that file to
-  CRIU for every checkpoint and restore). The OCI hooks need the wrapper or
-  hooks in config.json: runc has no global hook setting.
+  CRIU for every checkpoint and restore), or with --criu-registration
+  gpu-only only a comment there, and the runtime wrapper gives each GPU
+  container a CRIU configuration of its own that names the script
+  (cudahook.platform.criuconf). The OCI hooks need the wrapper or hooks in
+  config.json: runc has no global hook setting.
 - containerd (1.6): a systemd drop-in putting a `runc` that is the cudahook
   wrapper ahead of the real one on containerd's PATH, so the runc shim goes
   through it; plus the action script.
@@ -19,6 +22,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cudahook.platform import criuconf
 from cudahook.platform.paths import CONTAINERD_DROPIN, CRIU_CONF, DOCKER_JSON, HOOKS_D
 
 from . import registrations
@@ -38,30 +42,47 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
-def _criu(j: Journal, hooks_dir: Path) -> Change:
+def _criu(j: Journal, hooks_dir: Path, mode: str | None = None) -> Change:
+    """runc.conf with the action script registered `mode` (None: as it is
+    registered now, else global)."""
     path = j.at(CRIU_CONF)
     script = str(hooks_dir / registrations.ACTION_NAME)
-    line = f"action-script {script}"
     data = path.read_bytes() if path.exists() else b""
     # One cudahook action script at a time: another installation's (replaced
     # by an install --force, and put back by its uninstall) would checkpoint
     # the same processes a second time.
     data = registrations.strip("criu", data, lambda exe: exe != script) or b""
     text = data.decode(errors="surrogateescape")
-    if line in text.splitlines():
+    mode = mode or criuconf.registration(text)[0] or "global"
+    if mode not in criuconf.MODES:
+        raise ConfigureError(f"unknown CRIU registration {mode!r} "
+                             f"(one of {', '.join(criuconf.MODES)})")
+    lines = ([registrations.CRIU_COMMENT, f"action-script {script}"] if mode == "global"
+             else [criuconf.gpu_only_line(script)])
+    if criuconf.registration(text) == (mode, script) and all(
+            x in text.splitlines() for x in lines):
         return Change(path, data)
+    text = criuconf.without_ours(text)
     sep = "" if not text or text.endswith("\n") else "\n"
-    return Change(path, f"{text}{sep}{registrations.CRIU_COMMENT}\n{line}\n"
+    return Change(path, (text + sep + "".join(x + "\n" for x in lines))
                   .encode(errors="surrogateescape"))
 
 
-def plan(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool = False) -> Plan:
+def plan(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool = False,
+         criu_registration: str | None = None) -> Plan:
     if runtime not in RUNTIMES:
         raise ConfigureError(f"unknown runtime {runtime!r} (one of {', '.join(RUNTIMES)})")
     j = Journal(root, hooks_dir.parent)
-    p = Plan([_criu(j, hooks_dir)])
+    p = Plan([_criu(j, hooks_dir, criu_registration)])
     wrapper = hooks_dir / "cudahook-runtime"
     hook = hooks_dir / "cudahook-oci-hook"
+    if criuconf.registration(p.changes[0].after.decode(errors="replace"))[0] == "gpu-only":
+        p.notes.append(f"CRIU registration gpu-only: only GPU containers created through {wrapper} "
+                       "run the action script; containers created without it (or before this "
+                       "change) are not covered: recreate them through the wrapper")
+        if runtime in ("podman", "crio"):
+            p.notes.append(f"{runtime} creates containers without the wrapper: with gpu-only "
+                           "their GPU containers are not covered; use --criu-registration global")
     if runtime == "runc":
         p.notes.append("runc reads /etc/criu/runc.conf at every checkpoint: nothing to restart. "
                        f"For the OCI hooks, run runc through {wrapper} or add the hooks to "
@@ -110,7 +131,8 @@ def plan(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool = Fals
 
 
 def configure(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool = False,
-              dry_run: bool = False, revert: bool = False) -> list[str]:
+              dry_run: bool = False, revert: bool = False,
+              criu_registration: str | None = None) -> list[str]:
     """Apply (or revert) one runtime's registration; lines to print. The
     journal is that of the installation whose hooks are in `hooks_dir`."""
     j = Journal(root, hooks_dir.parent)
@@ -127,7 +149,8 @@ def configure(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool =
         if not restored and not kept:
             out.append(f"nothing to revert for {runtime}")
         return out
-    p = plan(runtime, hooks_dir, root=root, default=default)
+    p = plan(runtime, hooks_dir, root=root, default=default,
+             criu_registration=criu_registration)
     # The action script serves every runtime: its own group, reverted last.
     diffs = j.apply("criu", p.changes[:1], dry_run=dry_run)
     diffs += j.apply(runtime, p.changes[1:], dry_run=dry_run)

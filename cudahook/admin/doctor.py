@@ -145,21 +145,27 @@ def _gpu_checks(ctx: Context) -> list[Check]:
 
 
 def _registrations(j: Journal) -> list[Check]:
+    from cudahook.platform import criuconf
+
     out = []
     conf = j.at(paths.CRIU_CONF)
-    lines = conf.read_text().splitlines() if conf.exists() else []
-    scripts = [x.split(None, 1)[1] for x in lines if x.startswith("action-script ")]
-    ours = [s for s in scripts if s.endswith("cudahook-criu-action")]
-    if ours and all(os.access(s, os.X_OK) for s in ours):
-        out.append(Check("runc/criu registration", "ok", f"action-script {ours[0]}"))
-    else:
-        bad = [s for s in ours if not os.access(s, os.X_OK)]
+    text = conf.read_text(errors="replace") if conf.exists() else ""
+    mode, script = criuconf.registration(text)
+    if mode and script and os.access(script, os.X_OK):
+        what = (f"global: action-script {script} for every container" if mode == "global" else
+                f"gpu-only: {script} for GPU containers created through the runtime wrapper "
+                "(others run CRIU without it; containers created without the wrapper are "
+                "not covered)")
+        out.append(Check("runc/criu registration", "ok", what))
+    elif mode:
         out.append(Check("runc/criu registration", "fail",
-                         f"no cudahook action-script in {conf}" if not ours
-                         else f"registered script is not executable: {bad[0]}",
-                         "cudahook configure --runtime runc" if not ours
-                         else f"re-run install.sh to repair the installation, or remove the "
-                         f"line 'action-script {bad[0]}' from {conf}"))
+                         f"registered script is not executable: {script}",
+                         "re-run install.sh to repair the installation, or remove cudahook's "
+                         f"lines from {conf}"))
+    else:
+        out.append(Check("runc/criu registration", "fail",
+                         f"no cudahook action-script in {conf}",
+                         "cudahook configure --runtime runc"))
     daemon = j.at(paths.DOCKER_JSON)
     if daemon.exists():
         try:

@@ -120,7 +120,8 @@ def install(args: argparse.Namespace) -> int:
     for rt in ["runc", *[r for r in args.runtime if r != "runc"]]:
         for line in configure.configure(rt, prefix / "libexec", root=args.root,
                                         default=args.default_runtime and rt == "docker",
-                                        dry_run=args.dry_run):
+                                        dry_run=args.dry_run,
+                                        criu_registration=args.criu_registration):
             print(line)
     return 0
 
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", default=str(Path(__file__).resolve().parents[2]))
     p.add_argument("--runtime", action="append", default=[])
     p.add_argument("--default-runtime", action="store_true")
+    p.add_argument("--criu-registration", choices=("global", "gpu-only"), default=None)
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--force", action="store_true")
     p.add_argument("--keep-criu", action="store_true")

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cudahook.platform import paths
+from cudahook.platform import criuconf, paths
 
-CRIU_COMMENT = "# cudahook: CUDA checkpoint around CRIU dumps"
-ACTION_NAME = "cudahook-criu-action"
+CRIU_COMMENT = criuconf.COMMENT
+ACTION_NAME = criuconf.ACTION_NAME
 HOOKS_D_NAMES = ("50-cudahook-create.json", "50-cudahook-poststop.json")
 _DROPIN_PATH = re.compile(r'PATH=([^:"\s]+)')
 
@@ -53,14 +53,7 @@ def executable(path: str) -> bool:
 # -- what each file registers -----------------------------------------------------
 
 
-def action_scripts(text: str) -> list[str]:
-    """Every action script runc.conf names (CRIU runs each one, ours or not)."""
-    out = []
-    for line in text.splitlines():
-        words = line.split(None, 1)
-        if len(words) == 2 and words[0] == "action-script":
-            out.append(words[1].strip().strip('"'))
-    return out
+action_scripts = criuconf.action_scripts
 
 
 def executables(kind: str, data: bytes) -> list[str]:
@@ -100,6 +93,10 @@ def strip(kind: str, data: bytes, drop: Callable[[str], bool],
         lines = data.decode(errors="surrogateescape").splitlines(keepends=True)
         keep: list[str] = []
         for line in lines:
+            if line.startswith(criuconf.GPU_ONLY):  # gpu-only's comment names the script
+                named = line[len(criuconf.GPU_ONLY):].split(" (", 1)[0].strip()
+                if criuconf.is_ours(named) and drop(named):
+                    continue
             words = line.split(None, 1)
             if (len(words) == 2 and words[0] == "action-script"
                     and words[1].strip().strip('"').endswith("/" + ACTION_NAME)

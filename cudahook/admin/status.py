@@ -36,7 +36,21 @@ def gather(ctx: Context, *, live: bool = True) -> dict[str, Any]:
     series = metrics.per_container(ctx.settings)
     for c in out:
         c["metrics"] = series.get(c["id"], {})
-    return {"containers": out, "metrics_file": str(metrics.metrics_path(ctx.settings) or "")}
+    return {"criu_registration": criu_registration(), "containers": out,
+            "metrics_file": str(metrics.metrics_path(ctx.settings) or "")}
+
+
+def criu_registration() -> str:
+    """Which containers' checkpoints run the action script: global (all of
+    them), gpu-only (GPU containers created through the runtime wrapper), or
+    none registered."""
+    from cudahook.platform import criuconf, paths
+
+    try:
+        text = paths.at(paths.CRIU_CONF).read_text(errors="replace")
+    except OSError:
+        text = ""
+    return criuconf.registration(text)[0] or "none"
 
 
 # Each cuda-checkpoint probe of `status` gets at most this long: it is a look,
@@ -91,9 +105,9 @@ def _when(t: float | None) -> str:
 
 
 def render(data: dict[str, Any]) -> str:
+    lines = [f"CRIU registration: {data.get('criu_registration', '?')}"]
     if not data["containers"]:
-        return "no GPU containers known"
-    lines = []
+        return "\n".join([*lines, "no GPU containers known"])
     for c in data["containers"]:
         state = "running" if c.get("alive") else ("gone" if c.get("gone") else "not running")
         lines.append(f"{c['id']}  {state}  pid {c.get('pid') or '-'}  gpus "

@@ -10,10 +10,10 @@ but makes every cuda-checkpoint call fail.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 from cudahook.platform.errors import CudahookError, ToolError
 from cudahook.platform.host import Host, ProcessGone
+from cudahook.platform.record import Record
 
 from .backends import CHECKPOINTED, RUNNING
 from .fanout import Raised, fan_out
@@ -31,22 +31,20 @@ class DiscoveryError(CudahookError):
     """Some candidate could not be classified; nothing was touched."""
 
 
-@dataclass(frozen=True)
-class CudaProcess:
+class CudaProcess(Record, frozen=True):
     pid: int  # host PID
     nspid: int  # PID inside the container's PID namespace
     state: str | None = None  # as read during discovery, when the probe gave it
 
 
-@dataclass
-class Discovery:
+class Discovery(Record):
     init_pid: int
     scope: str  # "cgroup", "pidns-scan" or "tree-scan": how the container was scoped
     scanned: int  # processes looked at
-    candidates: list[int] = field(default_factory=list)
-    processes: list[CudaProcess] = field(default_factory=list)
-    skipped: dict[int, str] = field(default_factory=dict)  # candidate -> why not CUDA
-    warnings: list[str] = field(default_factory=list)
+    candidates: list[int] = []  # (a fresh list for each: see Record)
+    processes: list[CudaProcess] = []
+    skipped: dict[int, str] = {}  # candidate -> why not CUDA
+    warnings: list[str] = []
 
     @property
     def pids(self) -> list[int]:

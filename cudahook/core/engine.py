@@ -26,12 +26,13 @@ while different jobs and processes outside any job stay parallel.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from cudahook.platform.config import Settings
 from cudahook.platform.errors import EnvironmentProblem, PhaseError, ToolError
 from cudahook.platform.host import Host, ProcessGone
+from cudahook.platform.record import Record
 
 from .backends import CHECKPOINTED, LOCKED, RUNNING, STABLE, explain_state
 from .discovery import CudaProcess, has_device_fd
@@ -47,15 +48,14 @@ if TYPE_CHECKING:
 
 
 
-@dataclass
-class PhaseResult:
+class PhaseResult(Record):
     phase: str
     pids: list[int]
     timeline: Timeline
-    initial: dict[int, str] = field(default_factory=dict)
-    final: dict[int, str] = field(default_factory=dict)
-    changed: list[int] = field(default_factory=list)
-    errors: dict[int, str] = field(default_factory=dict)
+    initial: dict[int, str] = {}  # (a fresh dict for each: see Record)
+    final: dict[int, str] = {}
+    changed: list[int] = []
+    errors: dict[int, str] = {}
     device_map: dict[str, str] | None = None
     rolled_back: bool = False
 
@@ -86,12 +86,34 @@ def _pid(p: CudaProcess | int) -> int:
     return p.pid if isinstance(p, CudaProcess) else int(p)
 
 
+def _phase(method: Callable[..., PhaseResult]) -> Callable[..., PhaseResult]:
+    """A phase's driver session ends with the phase: the backend's helper
+    (the driver-API backend's one attach) exits and is reaped here, not when
+    the hook exits, so it holds no driver attach while the hook goes on
+    (the manifest, the guardian, CRIU's dump) and leaves no orphan behind.
+    A later call on the same backend attaches afresh."""
+
+    @functools.wraps(method)
+    def phase(self: Engine, *args: Any, **kwargs: Any) -> PhaseResult:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.end_phase()
+
+    return phase
+
+
 class Engine:
     def __init__(self, backend: Backend, settings: Settings, host: Host | None = None):
         self.backend = backend
         self.settings = settings
         self.host = host or Host()
         self._jobs: dict[int, str | None] = {}  # pid -> job identity, read once
+
+    def end_phase(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     # -- helpers -----------------------------------------------------------
 
@@ -174,6 +196,7 @@ class Engine:
 
     # -- checkpoint ----------------------------------------------------------
 
+    @_phase
     def checkpoint(self, procs: Iterable[CudaProcess | int], *,
                    fresh_states: bool = False) -> PhaseResult:
         """Lock all, then checkpoint all; roll back on any failure.
@@ -315,6 +338,7 @@ class Engine:
 
     # -- restore -------------------------------------------------------------
 
+    @_phase
     def restore(
         self,
         procs: Iterable[CudaProcess | int],
@@ -367,6 +391,7 @@ class Engine:
         self._verify_running(res)
         return res
 
+    @_phase
     def unlock(self, procs: Iterable[CudaProcess | int]) -> PhaseResult:
         """Second half of a restore run with unlock=False."""
         pids = sorted({_pid(p) for p in procs})

@@ -12,8 +12,6 @@ whole module costs to run.
 
 from __future__ import annotations
 
-import threading
-
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -46,6 +44,8 @@ def fan_out(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> lis
     results: list[Any] = [None] * len(todo)
     if len(todo) <= 1 or workers <= 1:
         return [_call(fn, item) for _, item in todo]
+    import threading  # here: a hook that fans out nothing does not load it
+
     lock = threading.Lock()
 
     def worker() -> None:

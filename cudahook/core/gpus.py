@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from cudahook.platform.config import Settings
 from cudahook.platform.errors import EnvironmentProblem
 from cudahook.platform.host import Host
+from cudahook.platform.record import Record
 
 FIELDS = "index,uuid,name,memory.total,driver_version,persistence_mode"
 # nvidia-smi's exit status when the driver is loaded but no GPU is visible.
@@ -17,8 +16,7 @@ class NoGpuVisible(EnvironmentProblem):
     """nvidia-smi runs but sees no GPU ("No devices were found")."""
 
 
-@dataclass(frozen=True)
-class Gpu:
+class Gpu(Record, frozen=True):
     index: int
     uuid: str
     name: str

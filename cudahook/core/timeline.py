@@ -7,11 +7,11 @@ start and end is what lets `cudahook status` show which.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+
+from cudahook.platform.record import Record
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 
 
 
-@dataclass
-class Step:
+class Step(Record):
     pid: int
     step: str
     start: float  # seconds since the timeline's origin
@@ -38,6 +37,8 @@ class Timeline:
     def __init__(self) -> None:
         self.origin_wall = time.time()
         self._origin = time.monotonic()
+        import threading  # here: hooks that time no phase do not load it
+
         self._lock = threading.Lock()
         self.steps: list[Step] = []
 
@@ -66,7 +67,7 @@ class Timeline:
             "origin": self.origin_wall,
             "total_s": round(self.total(), 6),
             "steps": [
-                {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(s).items()}
+                {k: (round(v, 6) if isinstance(v, float) else v) for k, v in s.as_dict().items()}
                 for s in sorted(self.steps, key=lambda s: (s.start, s.pid))
             ],
         }

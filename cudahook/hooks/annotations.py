@@ -6,10 +6,9 @@ create time with a one-line reason rather than surfacing at checkpoint time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from cudahook.platform.config import Settings, validate
 from cudahook.platform.errors import ConfigError, DeviceMapError, UsageError
+from cudahook.platform.record import Record
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -20,8 +19,7 @@ if TYPE_CHECKING:
 PREFIX = "cudahook.io/"
 
 
-@dataclass(frozen=True)
-class Options:
+class Options(Record, frozen=True):
     enabled: bool | None = None  # None: decided by whether the container has GPUs
     sequential: bool | None = None
     lock_timeout_ms: int | None = None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 
 from cudahook.core.discovery import container_pids
 from cudahook.platform.errors import PhaseError
@@ -105,6 +104,8 @@ def kill_container(ctx: Context, init_pid: int) -> int:
 
 def kill_same(host: Any, pid: int, start: int) -> bool:
     """SIGKILL the process `pid` only if it is still the one that started at `start`."""
+    import signal  # its enums cost every hook start; a kill is rare
+
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import cached_property
 
 from cudahook.core.backends import make_backend
@@ -18,10 +17,10 @@ if TYPE_CHECKING:
     from cudahook.core.gpus import Gpu
 
 
-@dataclass
 class Context:
-    settings: Settings
-    host: Host = field(default_factory=Host)
+    def __init__(self, settings: Settings, host: Host | None = None):
+        self.settings = settings
+        self.host = host if host is not None else Host()
 
     @cached_property
     def store(self) -> Store:

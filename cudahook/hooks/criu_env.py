@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from cudahook.platform.errors import UsageError
+from cudahook.platform.record import Record
 
 ACTIONS = {
     "pre-dump", "network-lock", "post-dump", "network-unlock", "pre-restore",
@@ -16,8 +16,7 @@ ACTIONS = {
 }
 
 
-@dataclass(frozen=True)
-class CriuCall:
+class CriuCall(Record, frozen=True):
     action: str
     image_dir: Path | None
     init_pid: int | None  # host PID of the container's init (unset at pre-restore)

@@ -38,14 +38,12 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
     """
     import subprocess
     import sys
-    from dataclasses import asdict
-
     args = {
         "criu_pid": criu_pid,
         "criu_start": ctx.host.start_time(criu_pid),
         "container": cid,
         "procs": procs,
-        "settings": asdict(ctx.settings),
+        "settings": ctx.settings.as_dict(),
         "vmm": vmm_keep,
         "handed_over": time.time(),  # pre-dump's end: CRIU dumps from here to its exit
     }

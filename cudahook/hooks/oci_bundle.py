@@ -5,10 +5,10 @@ else controls), the GPUs it sees, its annotations and where its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from cudahook.platform.errors import UsageError
+from cudahook.platform.record import Record
 
 from .gpu_request import visible_devices
 
@@ -28,10 +28,9 @@ GPU_MARKERS = ("NVIDIA_VISIBLE_DEVICES", "/dev/nvidia", "nvidia.com/gpu", "cudah
 SNAPSHOT_CONTROL = "/snapshot-control"
 
 
-@dataclass
-class BundleInfo:
-    visible: list[str] = field(default_factory=list)  # UUIDs or indices, or ["all"]
-    annotations: dict[str, str] = field(default_factory=dict)
+class BundleInfo(Record):
+    visible: list[str] = []  # UUIDs or indices, or ["all"] (a fresh list for each)
+    annotations: dict[str, str] = {}
     snapshot_control: str | None = None  # host source of /snapshot-control
 
     @property

@@ -2,8 +2,9 @@
 
 createRuntime/prestart (run again by runc on restore, with the restored
 init's PID) record the container; poststop forgets it and removes interposer
-sockets it left behind. Non-GPU containers leave after reading config.json:
-no schema validation, no config file, no tool call.
+sockets and the per-container CRIU configuration it left behind. Non-GPU
+containers leave after reading config.json: no schema validation, no config
+file, no tool call.
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ def on_poststop(state: dict) -> int:  # type: ignore[type-arg]
     record = store.load(cid)
     with contextlib.suppress(OSError):
         mark("gpu", cid, on=False)
+    # The CRIU configuration the runtime wrapper gave it (gpu-only
+    # registration): a restore through the wrapper writes it again.
+    from cudahook.platform import criuconf
+
+    criuconf.remove(settings.state_dir, cid)
     if record is None:
         return Exit.OK
     if isinstance(record.get("snapshot_control"), str) and isinstance(record.get("vmm_sockets"), dict):
@@ -150,3 +156,7 @@ def housekeeping(store: Any, retention_s: float) -> None:
     directory is RAM. Never fails the hook."""
     with contextlib.suppress(OSError, CudahookError):
         store.prune(retention_s)
+    from cudahook.platform import criuconf
+
+    with contextlib.suppress(OSError):
+        criuconf.prune(store.root)

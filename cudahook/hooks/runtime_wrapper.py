@@ -1,6 +1,12 @@
 """The runtime wrapper: add cudahook's OCI hooks to a GPU container's bundle,
 then exec the real runc with the arguments unchanged.
 
+Where the CRIU action script is registered gpu-only (see
+cudahook.platform.criuconf), the wrapper also points a GPU container's
+`org.criu.config` at a copy of its CRIU configuration that names the
+script: runc reads that annotation from the container's config at every
+checkpoint and restore, so only GPU containers pay for the script.
+
 containerd 1.6 and docker have no global hook setting; wrapping runc is the
 route nvidia-container-runtime takes too. Only create, run and restore reach
 this module (the shell wrapper passes everything else straight to runc), and
@@ -49,8 +55,15 @@ def bundle_of(args: list[str]) -> str:
     return "."
 
 
-def add_hooks(bundle: str, hook: str) -> bool:
-    """Add the hooks to config.json if this is a GPU container; True if changed."""
+def container_id(args: list[str]) -> str | None:
+    """The container id of create, run and restore: their last argument."""
+    return args[-1] if args and not args[-1].startswith("-") else None
+
+
+def add_hooks(bundle: str, hook: str, cid: str | None = None) -> bool:
+    """Add the hooks to config.json if this is a GPU container, and with
+    `cid`, its own CRIU configuration where the site's does not name the
+    action script; True if config.json changed."""
     from .annotations import PREFIX
     from .gpu_request import visible_devices
     from .oci_bundle import read_config
@@ -72,10 +85,54 @@ def add_hooks(bundle: str, hook: str) -> bool:
         if not any(isinstance(e, dict) and e.get("path") == hook for e in entries):
             entries.append({"path": hook, "args": ["cudahook-oci-hook", stage]})
             changed = True
+    problem = None
+    if cid is not None:
+        # The action script sits beside the OCI hook.
+        script = os.path.join(os.path.dirname(hook), "cudahook-criu-action")
+        try:
+            changed |= point_criu_config(cfg, script, cid)
+        except Exception as exc:  # the hooks still go in; the caller reports it
+            problem = exc
     if changed:
         # The same mode as the bundle's own file, from the first byte on.
         write_atomic(path, json.dumps(cfg).encode(), os.stat(path).st_mode & 0o7777)
+    if problem is not None:
+        raise problem
     return changed
+
+
+def point_criu_config(cfg: dict, script: str, cid: str) -> bool:  # type: ignore[type-arg]
+    """Give the container a CRIU configuration naming `script` unless the one
+    runc would hand CRIU already does (a global registration): the site's
+    file (or the container's own org.criu.config) copied, the action-script
+    line added. True if the annotations changed."""
+    from cudahook.platform import config, criuconf, paths
+
+    state_dir = config.load().state_dir
+    notes = cfg.get("annotations")
+    if not isinstance(notes, dict):
+        notes = cfg["annotations"] = {}
+    before = dict(notes)
+    current = notes.get(criuconf.ANNOTATION)
+    if criuconf.BASE_ANNOTATION in notes:  # set here at create: what it was before
+        base = notes[criuconf.BASE_ANNOTATION]
+    elif current is None or criuconf.is_copy(current, state_dir):
+        base = str(paths.at(paths.CRIU_CONF))  # runc's default file
+    else:  # the container's own: copied, and remembered for its restore
+        base = notes[criuconf.BASE_ANNOTATION] = current
+    text = criuconf.read_base(base)
+    if any(criuconf.is_ours(s) for s in criuconf.action_scripts(text)):
+        # Registered globally: runc's own choice of file already covers it.
+        criuconf.remove(state_dir, cid)
+        if current is not None and criuconf.is_copy(current, state_dir):
+            if criuconf.BASE_ANNOTATION in notes:
+                notes[criuconf.ANNOTATION] = notes.pop(criuconf.BASE_ANNOTATION)
+            else:
+                del notes[criuconf.ANNOTATION]
+    else:
+        path = criuconf.write(state_dir, cid, criuconf.for_container(text, script))
+        notes[criuconf.ANNOTATION] = str(path)
+    return notes != before
 
 
 def log(opts: dict[str, str], level: str, msg: str) -> None:
@@ -105,7 +162,7 @@ def main(argv: list[str]) -> int:
     if command in WITH_BUNDLE:
         bundle = bundle_of(rest)
         try:
-            if add_hooks(bundle, hook):
+            if add_hooks(bundle, hook, container_id(rest)):
                 log(opts, "info", f"added OCI hooks to {bundle}/config.json")
         except Exception as exc:  # never blocks the container: runc runs either way
             from cudahook.platform.errors import one_line

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 from pathlib import Path
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -28,7 +27,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *
     to lose in a crash (the metrics): the rename stays atomic."""
     path = Path(path)
     # Unique per writer (threads of one process too), and cut to fit NAME_MAX.
-    tmp = path.with_name(f".{path.name[:200]}.{secrets.token_hex(6)}.tmp")
+    tmp = path.with_name(f".{path.name[:200]}.{os.urandom(6).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         try:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
-from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from . import configcache, paths
 from .errors import ConfigError
+from .record import Record
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -29,8 +28,7 @@ def default_path() -> Path:
     return paths.at(paths.CONFIG)
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(Record, frozen=True):
     # How cudahook drives the driver: "driver-api" (cuCheckpointProcess* in
     # libcuda, one driver attach per phase), "cli" (one cuda-checkpoint run,
     # one attach, per call) or "auto" (the driver API when libcuda has it and
@@ -47,9 +45,10 @@ class Settings:
     call_timeout_s: float = 300.0
     sequential: bool = False
     max_parallel: int = 64
-    # Node paths move with CUDAHOOK_ROOT (see paths.py) unless set explicitly.
-    state_dir: str = field(default_factory=lambda: str(paths.at(paths.STATE_DIR)))
-    log_file: str = field(default_factory=lambda: str(paths.at(paths.LOG_FILE)))
+    # Node paths move with CUDAHOOK_ROOT (see paths.py) unless set explicitly:
+    # None here means the node's, under the root when the Settings are made.
+    state_dir: str = None  # type: ignore[assignment]
+    log_file: str = None  # type: ignore[assignment]
     vmm_coordinator: str = "/usr/local/bin/snapshot-cuda-vmm"
     vmm_timeout_s: float = 300.0
     vmm_restore_before_unlock: bool = False
@@ -62,8 +61,14 @@ class Settings:
     # the state directory. "" turns them off.
     metrics_file: str | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for name, node_path in (("state_dir", paths.STATE_DIR), ("log_file", paths.LOG_FILE)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, str(paths.at(node_path)))
+
     def with_overrides(self, **changes: Any) -> Settings:
-        return replace(self, **changes)
+        return self.replace(**changes)
 
     @property
     def device_regex(self) -> re.Pattern[str]:
@@ -74,6 +79,8 @@ class Settings:
         value = getattr(self, name)
         if os.path.isabs(value):
             return value
+        import shutil  # with bz2 and lzma: only for a bare tool name
+
         found = shutil.which(value)
         return found or value
 
@@ -135,7 +142,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
     if data is None:
         data = {}
     validate(data, "config.schema.json", str(target))
-    known = {f.name for f in fields(Settings)}
+    known = set(Settings._fields)
     settings = Settings(**{k: v for k, v in data.items() if k in known})
-    configcache.remember(target, key, asdict(settings))
+    configcache.remember(target, key, settings.as_dict())
     return settings

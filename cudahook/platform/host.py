@@ -9,19 +9,18 @@ root slots in here alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cgroups import CgroupReader
 from .procfs import ProcessGone, ProcReader
+from .record import Record
 from .tools import RunResult, ToolRunner
 
 __all__ = ["Host", "ProcessGone", "RunResult"]
 
 
-@dataclass
-class Host(ToolRunner, ProcReader, CgroupReader):
+class Host(Record, ToolRunner, ProcReader, CgroupReader):
     proc: Path = Path("/proc")
     cgroup_root: Path = Path("/sys/fs/cgroup")
     env: dict[str, str] | None = None
-    _own_pidns: str | None = field(default=None, repr=False)
+    _own_pidns: str | None = None

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from .record import Record
 
 # After the deadline kills a tool's process group, how long to wait for its
 # pipes to close. A tool stuck in the driver (D state) cannot die, and a
@@ -19,8 +18,7 @@ from dataclasses import dataclass
 KILL_GRACE_S = 2.0
 
 
-@dataclass(frozen=True)
-class RunResult:
+class RunResult(Record, frozen=True):
     argv: tuple[str, ...]
     returncode: int | None  # None when the deadline killed it
     stdout: str
@@ -47,6 +45,12 @@ class ToolRunner:
         kill is bounded too (KILL_GRACE_S): the caller gets a timed-out
         result even when the process cannot be reaped.
         """
+        # Here, not at module level: subprocess (with signal, selectors and
+        # threading) costs every hook start milliseconds, and many hook runs
+        # (CRIU's duplicate calls, every OCI hook) run no tool.
+        import signal
+        import subprocess
+
         start = time.monotonic()
         try:
             child = subprocess.Popen(

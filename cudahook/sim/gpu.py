@@ -11,12 +11,25 @@ restore's upload) go over the GPU's link at the configured bandwidth
 (`bandwidth_mib_s`, per GPU or for the node): processes on different GPUs
 copy in parallel, processes on one GPU take turns on its link, so a phase
 takes at least its largest per-GPU byte count over the link's bandwidth.
+
+Device memory is a memfd per allocation (mapped here for kernels and
+digests). A checkpoint's copy to the host (`download_fd`) hands the CUDA
+process that memfd (SCM_RIGHTS) within the copy's turn on the link; once
+the checkpoint has released the GPU, the process holds the only reference:
+its host copy, which CRIU dumps with the process and restores. A restore
+(`upload_fd`) hands it back and the service adopts it as device memory.
+The pages change hands rather than being copied, so a phase costs what the
+link model says, not what one Python process can memcpy; what a restored
+process reads is still exactly what went through the host (the image, under
+CRIU), and its memory check catches any page that changed on the way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 import signal
 import socket
@@ -33,6 +46,7 @@ from .protocol import (
     INVALID_VALUE,
     OUT_OF_MEMORY,
     CudaError,
+    FdStream,
     bind_unix,
     pattern,
     read_payload,
@@ -57,7 +71,22 @@ class Client:
     pid: int
     device: Device | None = None
     kind: str = "cuda"
-    buffers: dict[int, bytearray] = field(default_factory=dict)
+    buffers: dict[int, Any] = field(default_factory=dict)  # handle -> mmap of its memfd
+    fds: dict[int, int] = field(default_factory=dict)  # handle -> the memfd
+
+
+def memfd(size: int, name: str = "cudahook-sim-device-memory") -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _mapping(fd: int, size: int) -> Any:
+    return mmap.mmap(fd, size) if size else bytearray()
 
 
 class GpuService:
@@ -77,13 +106,16 @@ class GpuService:
     # -- per-connection ----------------------------------------------------
 
     def serve_connection(self, conn: socket.socket) -> None:
+        # SIGTERM for the main thread only: delivered to a thread blocked in
+        # recvmsg here, it would wait for the main thread's next accept.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid = struct.unpack("3i", creds)[0]
         client = Client(pid)
         key = id(client)
         with self.lock:
             self.clients[key] = client
-        stream = conn.makefile("rwb")
+        stream = FdStream(conn)
         try:
             while True:
                 try:
@@ -91,15 +123,24 @@ class GpuService:
                 except (EOFError, OSError, ValueError):
                     return
                 msg["_arrived"] = arrived
+                if stream.fds:
+                    msg["_fd"] = stream.take_fd()
                 try:
                     reply, data = self.handle(client, msg, payload)
                     reply["ok"] = True
                 except CudaError as exc:
                     reply, data = {"ok": False, "code": exc.code, "error": str(exc)}, b""
+                finally:
+                    if "_fd" in msg:
+                        os.close(msg["_fd"])
+                fd = reply.pop("_fd", None)
                 try:
-                    send(stream, reply, data)
+                    send(stream, reply, data, fd)  # type: ignore[arg-type]
                 except OSError:
                     return
+                finally:
+                    if fd is not None:
+                        os.close(fd)  # the client has its own now
         finally:
             self._release(key)
             stream.close()
@@ -113,7 +154,40 @@ class GpuService:
                 freed = sum(len(b) for b in client.buffers.values())
                 dev.used -= freed
                 dev.users.pop(client.pid, None)
-                client.buffers.clear()
+            if client:
+                for handle in list(client.buffers):
+                    self._drop(client, handle)
+
+    @staticmethod
+    def _drop(client: Client, handle: int) -> Any:
+        """Forget a buffer, unmapping it and closing its memfd; the buffer."""
+        buf = client.buffers.pop(handle, None)
+        fd = client.fds.pop(handle, None)
+        if isinstance(buf, mmap.mmap):
+            with contextlib.suppress(BufferError):  # a view still out: the GC unmaps it
+                buf.close()
+        if fd is not None:
+            os.close(fd)
+        return buf
+
+    def _store(self, client: Client, size: int, fill: Any = None, src: int | None = None) -> int:
+        """A new device buffer of `size` bytes (zeroed, `fill`ed, or the memfd
+        `src` adopted); its handle."""
+        fd = os.dup(src) if src is not None else memfd(size)
+        try:
+            if fill and src is None:
+                view, done = memoryview(fill), 0
+                while done < size:
+                    done += os.pwrite(fd, view[done:], done)
+            buf = _mapping(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self.lock:
+            handle = self.next_handle
+            self.next_handle += 1
+        client.buffers[handle], client.fds[handle] = buf, fd
+        return handle
 
     def _charge(self, client: Client, size: int) -> None:
         dev = self._device(client)
@@ -121,6 +195,11 @@ class GpuService:
             raise CudaError(OUT_OF_MEMORY)
         dev.used += size
         dev.users[client.pid] = dev.users.get(client.pid, 0) + size
+
+    def _uncharge(self, client: Client, size: int) -> None:
+        dev = self._device(client)
+        dev.used -= size
+        dev.users[client.pid] = dev.users.get(client.pid, 0) - size
 
     def _device(self, client: Client) -> Device:
         if client.device is None:
@@ -145,33 +224,45 @@ class GpuService:
                 client.device, client.kind = dev, msg.get("kind", "cuda")
                 dev.users.setdefault(client.pid, 0)
             return {"index": dev.index, "uuid": dev.uuid, "bandwidth_mib_s": dev.bandwidth}, b""
-        if op in ("alloc", "upload"):
-            size = len(payload) if op == "upload" else int(msg["size"])
+        if op in ("alloc", "upload", "upload_fd"):
+            src = msg.get("_fd")
+            if op == "upload_fd":
+                if src is None or not os.readlink(f"/proc/self/fd/{src}").startswith(
+                        "/memfd:cudahook-sim-device-memory"):
+                    raise CudaError(INVALID_VALUE, "upload_fd without device memory's memfd")
+                size = os.fstat(src).st_size
+            else:
+                size = len(payload) if op == "upload" else int(msg["size"])
             with self.lock:
                 self._charge(client, size)
-                handle = self.next_handle
-                self.next_handle += 1
-            if op == "upload":
-                # The payload crossed the socket while its turn on the link ran.
-                self._wait(self._reserve(self._device(client), size, msg.get("_arrived", 0.0)))
-                buf = payload if isinstance(payload, bytearray) else bytearray(payload)
-            elif "seed" in msg:
-                buf = bytearray(pattern(int(msg["seed"]), size))
-            else:
-                buf = bytearray(size)
-            client.buffers[handle] = buf
-            return {"handle": handle}, b""
-        if op == "download":
+            try:
+                if op == "alloc":
+                    fill = pattern(int(msg["seed"]), size) if "seed" in msg else None
+                    return {"handle": self._store(client, size, fill)}, b""
+                # The copy runs within its turn on the link (for an upload,
+                # the payload crossed the socket while the turn ran).
+                until = self._reserve(self._device(client), size, msg.get("_arrived", 0.0))
+                handle = (self._store(client, size, payload) if op == "upload"
+                          else self._store(client, size, src=src))
+                self._wait(until)
+                return {"handle": handle}, b""
+            except OSError as exc:
+                with self.lock:
+                    self._uncharge(client, size)
+                raise CudaError(OUT_OF_MEMORY, f"device memory: {exc}") from exc
+        if op in ("download", "download_fd"):
             buf = self._buffer(client, msg)
             dev = self._device(client)
             until = self._reserve(dev, len(buf))
             if until:
                 self._wait(until - len(buf) / (dev.bandwidth * (1 << 20)))  # our turn
-            # The bytes cross the socket inside the copy's time on the link; the
-            # client waits out the rest (clocks: CLOCK_MONOTONIC, one per host).
-            # A view, not a copy: this connection serves one request at a time,
-            # so nothing of this client writes the buffer while it is sent.
-            return {"link_until": until}, memoryview(buf)
+            # The bytes cross inside the copy's time on the link; the client
+            # waits out the rest (clocks: CLOCK_MONOTONIC, one per host).
+            if op == "download":  # small images (VMM mappings): through the socket
+                return {"link_until": until}, bytes(buf)
+            # The process locked, nothing writes the pages while both hold them.
+            return {"link_until": until, "size": len(buf),
+                    "_fd": os.dup(client.fds[int(msg["handle"])])}, b""
         if op == "digest":
             return {"sha256": hashlib.sha256(self._buffer(client, msg)).hexdigest()}, b""
         if op == "incr":
@@ -184,11 +275,10 @@ class GpuService:
             buf[:8] = value.to_bytes(8, "little")
             return {"value": value}, b""
         if op == "free":
-            buf = client.buffers.pop(int(msg["handle"]), None)
+            buf = self._drop(client, int(msg["handle"]))
             if buf is not None and client.device:
                 with self.lock:
-                    client.device.used -= len(buf)
-                    client.device.users[client.pid] -= len(buf)
+                    self._uncharge(client, len(buf))
             return {}, b""
         raise CudaError(INVALID_VALUE, f"unknown op {op!r}")
 

@@ -1,5 +1,7 @@
 """Framing for the simulator's Unix sockets: a JSON line, then an optional
-binary payload whose length the line announces."""
+binary payload whose length the line announces, or a file descriptor
+passed with the line (SCM_RIGHTS): a memfd holding a device-memory image,
+copied in the kernel instead of through either process (see gpu.py)."""
 
 from __future__ import annotations
 
@@ -25,13 +27,74 @@ from .wire import (  # noqa: F401 - re-exported for the service and runtime
 )
 
 
-def send(out: BinaryIO, msg: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+def send(out: BinaryIO, msg: dict[str, Any], payload: bytes | memoryview = b"",
+         fd: int | None = None) -> None:
     if payload:
         msg = {**msg, "len": len(payload)}
-    out.write(json.dumps(msg).encode() + b"\n")
+    line = json.dumps(msg).encode() + b"\n"
+    if fd is not None:
+        socket.send_fds(out.sock, [line], [fd])  # type: ignore[attr-defined]
+    else:
+        out.write(line)
     if payload:
         out.write(payload)
     out.flush()
+
+
+class FdStream:
+    """A connected Unix socket read as a stream, keeping the descriptors that
+    arrive with the bytes (a buffered socket file drops them)."""
+
+    MAX_FDS = 4
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = bytearray()
+        self.fds: list[int] = []
+
+    def _fill(self) -> bool:
+        data, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, self.MAX_FDS)
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        self.fds += fds
+        self.buf += data
+        return bool(data)
+
+    def readline(self) -> bytes:
+        while True:
+            end = self.buf.find(b"\n")
+            if end >= 0:
+                line = bytes(self.buf[:end + 1])
+                del self.buf[:end + 1]
+                return line
+            if not self._fill():
+                return b""
+
+    def readinto(self, view: memoryview) -> int:
+        if self.buf:
+            n = min(len(view), len(self.buf))
+            view[:n] = self.buf[:n]
+            del self.buf[:n]
+            return n
+        return self.sock.recv_into(view)
+
+    def take_fd(self) -> int:
+        """The descriptor that came with the last message (ValueError: none)."""
+        if not self.fds:
+            raise ValueError("no file descriptor came with the message")
+        return self.fds.pop(0)
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.sock.sendall(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
 
 
 def recv(inp: BinaryIO) -> tuple[dict[str, Any], bytes]:
@@ -85,14 +148,20 @@ class Channel:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.file = sock.makefile("rwb")
+        self.file = FdStream(sock)
 
-    def call(self, msg: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        send(self.file, msg, payload)
-        reply, data = recv(self.file)
+    def call(self, msg: dict[str, Any], payload: bytes = b"", fd: int | None = None
+             ) -> tuple[dict[str, Any], bytes]:
+        send(self.file, msg, payload, fd)  # type: ignore[arg-type]
+        reply, data = recv(self.file)  # type: ignore[arg-type]
         if not reply.get("ok"):
             raise CudaError(int(reply.get("code", UNKNOWN)), reply.get("error"))
         return reply, data
+
+    def call_fd(self, msg: dict[str, Any], fd: int | None = None) -> tuple[dict[str, Any], int]:
+        """A call whose reply carries a descriptor: (reply, the descriptor)."""
+        reply, _ = self.call(msg, fd=fd)
+        return reply, self.file.take_fd()
 
     def close(self) -> None:
         try:

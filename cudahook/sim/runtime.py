@@ -82,9 +82,12 @@ class SimCuda:
         self.vmm: set[str] = set()  # VMM mappings: cuda-checkpoint does not save these
         self.vmm_pending: set[str] = set()  # dropped by a checkpoint, not yet replayed
         self.vmm_wait_s = 5.0
-        self.host_copy: dict[str, bytes] = {}  # name -> content while checkpointed
+        # name -> a memfd with the buffer's content while checkpointed: host
+        # memory of this process (CRIU dumps and restores it with us)
+        self.host_copy: dict[str, int] = {}
         self.lost: str | None = None
         self.restore_tid = 0
+        self.restores = 0  # restores done: a workload may check its memory after each
         self.visible: list[str] = []  # every GPU CUDA sees in this process
         # A --launch-job member (R590+): the driver cannot drive two members
         # of one job at once.
@@ -134,13 +137,17 @@ class SimCuda:
 
     # -- GPU work (application threads) --------------------------------------
 
-    def _call(self, msg: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+    def _call(self, msg: dict[str, Any], payload: bytes = b"", *, fd: int | None = None,
+              take_fd: bool = False) -> tuple[dict[str, Any], Any]:
+        """The reply, and its payload (or with take_fd, the descriptor it carried)."""
         if self.chan is None:
             raise GpuLost(self.lost or "no GPU context")
         try:
             with self.io:
-                return self.chan.call(msg, payload)
-        except (EOFError, OSError) as exc:
+                if take_fd:
+                    return self.chan.call_fd(msg, fd)
+                return self.chan.call(msg, payload, fd)
+        except (EOFError, OSError, ValueError) as exc:
             self.lost = f"GPU connection lost: {exc}"
             raise GpuLost(self.lost) from exc
 
@@ -313,24 +320,27 @@ class SimCuda:
         if self.chan is None:
             self._undo(LOCKED, during)
             raise CudaError(UNKNOWN, self.lost or "no GPU context")
-        copy: dict[str, bytes] = {}
+        copy: dict[str, int] = {}
         try:
             for name, handle in self.buffers.items():
                 if name in self.vmm:
                     continue  # VMM mappings are the interposer's to save
-                # The GPU service paces the copy over the GPU's link: the bytes
-                # arrive within the copy's time, the rest is waited out here.
-                reply, data = self._call({"op": "download", "handle": handle})
-                copy[name] = data
+                # The GPU service paces the copy over the GPU's link: the copy
+                # is made within its time, the rest is waited out here.
+                reply, fd = self._call({"op": "download_fd", "handle": handle}, take_fd=True)
+                copy[name] = fd
+                if os.fstat(fd).st_size != int(reply.get("size", -1)):
+                    raise CudaError(UNKNOWN, f"host copy of {name!r} is incomplete")
                 left = float(reply.get("link_until") or 0) - time.monotonic()
                 if left > 0:
                     time.sleep(left)
-        except GpuLost as exc:
+        except (GpuLost, CudaError) as exc:
+            for fd in copy.values():
+                os.close(fd)
             self._undo(LOCKED, during)
+            if isinstance(exc, CudaError):
+                raise
             raise CudaError(UNKNOWN, str(exc)) from exc
-        except CudaError:
-            self._undo(LOCKED, during)
-            raise
         self.host_copy = copy
         self.vmm_pending |= self.vmm & set(self.buffers)
         self.buffers = {}
@@ -353,8 +363,8 @@ class SimCuda:
         try:
             self._acquire(target)
             handles = {}
-            for name, data in self.host_copy.items():
-                reply, _ = self._call({"op": "upload"}, data)
+            for name, fd in self.host_copy.items():
+                reply, _ = self._call({"op": "upload_fd"}, fd=fd)
                 handles[name] = int(reply["handle"])
         except (CudaError, GpuLost, OSError) as exc:
             # A failed restore leaves the process checkpointed (cuda-checkpoint #44).
@@ -365,6 +375,9 @@ class SimCuda:
                 raise
             raise CudaError(UNKNOWN, str(exc)) from exc
         self.buffers.update(handles)
+        self.restores += 1
+        for fd in self.host_copy.values():
+            os.close(fd)  # the host copy is freed once on the GPU again
         self.host_copy = {}
         if device_map:
             self.visible = [device_map.get(u, u) for u in self.visible]

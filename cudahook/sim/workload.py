@@ -43,6 +43,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--interval-ms", type=float, default=20.0)
     p.add_argument("--kernel-ms", type=float, default=0.0, help="duration of each kernel")
     p.add_argument("--check-every", type=int, default=10, help="memory check period (steps)")
+    p.add_argument("--check-after-restore", action="store_true",
+                   help="also check memory at the first step after each restore")
     p.add_argument("--procs", type=int, default=1, help="CUDA processes (forked workers)")
     p.add_argument("--vmm", action="store_true",
                    help="run the CUDA VMM interposer shim and hold VMM mappings")
@@ -148,6 +150,7 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
               nvml_mapped=nvml_lib is not None)
     last = 0
     step = 0
+    restores = cuda.restores
     while True:
         try:
             value = cuda.incr("counter", args.kernel_ms / 1000)
@@ -155,7 +158,8 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
                 rep.error(f"counter jumped from {last} to {value}")
             last = value
             step += 1
-            if step % args.check_every == 0:
+            restored, restores = cuda.restores != restores, cuda.restores
+            if step % args.check_every == 0 or (args.check_after_restore and restored):
                 if cuda.digest("data") != expected:
                     rep.fields["intact"] = False
                     rep.error("device memory content changed")
@@ -163,7 +167,8 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
                     rep.fields["intact"] = False
                     rep.error("VMM mapping content changed")
                 rep.fields["checks"] = rep.fields.get("checks", 0) + 1
-            rep.write(counter=value, gpu=cuda.gpu_uuid, state="running")
+                rep.fields["checked_restores"] = restores  # memory checked since the last
+            rep.write(counter=value, gpu=cuda.gpu_uuid, state="running", restores=restores)
         except (GpuLost, CudaError) as exc:
             rep.fields["intact"] = False
             rep.write(state="lost")

@@ -19,15 +19,14 @@ from __future__ import annotations
 import os
 import re
 import stat
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from cudahook.core.discovery import CudaProcess
 from cudahook.platform.errors import CudahookError, EnvironmentProblem
 from cudahook.platform.host import Host, ProcessGone
+from cudahook.platform.record import Record
 
 from .sockets import owned_socket
 
@@ -57,20 +56,18 @@ SHIM_LIBRARY = re.compile(r"/lib[^/\s]*cuda[-_]?vmm[^/\s]*\.so(\.[0-9]+)*( \(del
 SCAN_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True)
-class Detection:
+class Detection(Record, frozen=True):
     with_socket: list[CudaProcess]
     without: list[CudaProcess]
     # name -> [st_dev, st_ino] of each process's own socket, for poststop
-    sockets: dict[str, list[int]] = field(default_factory=dict)
+    sockets: dict[str, list[int]] = {}  # (a fresh dict for each: see Record)
 
     @property
     def participates(self) -> bool:
         return bool(self.with_socket) and not self.without
 
 
-@dataclass(frozen=True)
-class _Look:
+class _Look(Record, frozen=True):
     shim: bool
     socket: tuple[str, int, int] | None
 
@@ -94,6 +91,8 @@ def _with_deadline(fn: Callable[[], _Look], timeout: float) -> _Look | BaseExcep
             box.append(fn())
         except BaseException as exc:  # reported to the caller, below
             box.append(exc)
+
+    import threading  # here: only a VMM scan needs it at hook start
 
     t = threading.Thread(target=run, name="vmm-scan", daemon=True)
     t.start()

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import stat
-import struct
 from collections.abc import Iterator
 
 # Used with fullmatch: "$" alone also matches before a trailing newline, and a
@@ -85,6 +83,9 @@ def listener_pid(dfd: int, name: str, timeout: float = 2.0) -> int | None:
     name bound by another container's process sharing the directory is told
     apart from this one's. The connection is closed without a word.
     """
+    import socket  # with selectors and friends: only where an interposer listens
+    import struct
+
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         s.settimeout(timeout)

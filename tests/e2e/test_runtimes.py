@@ -408,6 +408,60 @@ def test_containerd_ctr_checkpoint_and_restore(node: Node, image: Path, tmp_path
         c.remove(cid)
 
 
+def test_containerd_with_gpu_only_criu_registration(node: Node, image: Path,
+                                                    tmp_path: Path) -> None:
+    """gpu-only through containerd's shim: the wrapper gives the GPU container
+    its own CRIU configuration (runc.conf names no script), and its
+    checkpoint and restore run the action script from there."""
+    cudahook = str(node.prefix / "venv" / "bin" / "cudahook")
+    conf = Path("/etc/criu/runc.conf")
+    before = conf.read_bytes()
+    script = str(node.libexec / "cudahook-criu-action")
+    r = sh(cudahook, "configure", "--runtime", "containerd", "--criu-registration", "gpu-only")
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        assert f"action-script {script}" not in conf.read_text().splitlines()
+        shim_path = node.libexec / "runc-path"
+        spec = gpu_spec(node.lab, "go")
+        tags, cid, ref = spec.tags, f"gpu-{uuid.uuid4().hex[:8]}", "cudahook/gpu-only:1"
+        with Containerd(tmp_path / "containerd", path_prefix=shim_path) as c:
+            name = c.import_image(image)
+            extra = [a for e in spec.env for a in ("--env", e)]
+            pid = c.run(name, cid, *spec.cmd, mounts=spec.binds, extra=extra)
+            node.wait_running(tags, steps=3)
+            bundle = c.state / "io.containerd.runtime.v2.task" / c.namespace / cid
+            assert_hooked(node, cid, bundle, pid)
+            copy = node.state_dir / "criu" / f"{cid}.conf"
+            notes = json.loads((bundle / "config.json").read_text())["annotations"]
+            assert notes["org.criu.config"] == str(copy)
+            assert f"action-script {script}" in copy.read_text().splitlines()
+
+            before_ckpt = node.counters(tags)
+            c.checkpoint(cid, ref)
+            after = node.counters(tags)
+            node.wait_event(cid, "guardian", lambda e: "resumed" in e.get("outcome", ""))
+            node.wait_running(tags, after, steps=25)
+            (ckpt,) = node.events(cid, "checkpoint")
+            assert sorted(ckpt["nspids"]) == sorted(node.lab.status(t)["pid"] for t in tags)
+
+            c.remove(cid)
+            assert not copy.exists()  # poststop removed it with the task
+            with node.resumed(tags) as reports:
+                new_pid = c.restore(cid, ref)
+                first = reports.assert_from(before_ckpt, after)
+            node.wait_running(tags, first)
+            (restore,) = node.wait_event(cid, "restore")
+            assert len(restore["pids"]) == len(tags)
+            assert copy.exists()  # the wrapper wrote it again for the restored task
+            assert_hooked(node, cid, bundle, new_pid)
+            node.assert_no_errors(cid)
+            c.remove(cid)
+    finally:
+        r = sh(cudahook, "configure", "--runtime", "containerd", "--criu-registration", "global")
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert conf.read_bytes() == before
+
+
 # -- docker 20.10 (experimental) ------------------------------------------------------
 
 

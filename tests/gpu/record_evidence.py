@@ -295,7 +295,7 @@ class Recorder:
         # The driver decides the tool's features (the tool is a stub).
         version = env["driver_from_proc"] or env["driver_version"] or ""
         self.major = features_for(version).major
-        self.data["driver_features"] = asdict(features_for(version)) if version else None
+        self.data["driver_features"] = features_for(version).as_dict() if version else None
         with contextlib.suppress(OSError):
             env["usr_local_nvidia_bin"] = sorted(os.listdir("/usr/local/nvidia/bin"))
 
@@ -313,10 +313,10 @@ class Recorder:
         self.major = self.major or feats.major
         driver = self.data.get("driver_features")
         # What cudahook uses is the driver's; what --help says is compared to it.
-        self.features = driver or asdict(feats)
-        h["features"] = asdict(feats)
+        self.features = driver or feats.as_dict()
+        h["features"] = feats.as_dict()
         h["features_match_driver"] = driver is None or {
-            k: v for k, v in asdict(feats).items() if k != "version"} == {
+            k: v for k, v in feats.as_dict().items() if k != "version"} == {
             k: v for k, v in driver.items() if k != "version"}
         h["text"] = text
         said = self.sim_says(["--help"])

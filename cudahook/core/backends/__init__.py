@@ -9,7 +9,7 @@ mixes them, and records why in the backend's `why`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from cudahook.platform.record import Record
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -62,8 +62,7 @@ def explain_state(state: str) -> str:
     }.get(state, state)
 
 
-@dataclass(frozen=True)
-class Features:
+class Features(Record, frozen=True):
     """What the installed driver's checkpoint support can do."""
 
     version: str = ""  # e.g. "570.86.10"; empty when the tool does not say

@@ -1,0 +1,178 @@
+"""CRIU configuration files, as cudahook registers its action script in them.
+
+Two ways to register (the operator's choice, `--criu-registration`):
+
+- global: an `action-script` line in /etc/criu/runc.conf, which runc hands
+  CRIU for every container. Every container is covered, whoever created it,
+  and every checkpoint and restore of every container runs the script.
+- gpu-only: /etc/criu/runc.conf carries only a comment naming the script;
+  the runtime wrapper points a GPU container's `org.criu.config`
+  annotation (runc reads it from the container's config at checkpoint and
+  restore) at a copy of the container's CRIU configuration with the
+  `action-script` line added. Other containers run CRIU without it; a
+  container created without the wrapper is not covered.
+
+The per-container copies live in `<state_dir>/criu/<container id>.conf`,
+at most MAX_FILES of them; poststop removes a container's copy.
+Standard library only: install.sh runs this before any virtual environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from pathlib import Path
+
+ACTION_NAME = "cudahook-criu-action"
+# runc's annotation naming a container's CRIU configuration file ("" = none;
+# absent = /etc/criu/runc.conf).
+ANNOTATION = "org.criu.config"
+# Where the wrapper keeps what org.criu.config named before it pointed the
+# annotation at cudahook's copy (absent: runc's default file).
+BASE_ANNOTATION = "cudahook.io/criu-config"
+COMMENT = "# cudahook: CUDA checkpoint around CRIU dumps"
+GPU_ONLY = "# cudahook: gpu-only registration of "
+MODES = ("global", "gpu-only")
+SUBDIR = "criu"
+# A site's CRIU configuration is a few lines; a larger one is not copied.
+MAX_CONF = 64 * 1024
+# Copies kept at most: one per GPU container the wrapper created and whose
+# poststop has not run yet.
+MAX_FILES = 4096
+# A copy with no container record this long after it was written is stale
+# (the record is written by createRuntime, moments after the copy).
+STALE_S = 600.0
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,249}$")
+
+
+def is_ours(script: str) -> bool:
+    return script.endswith("/" + ACTION_NAME)
+
+
+def action_scripts(text: str) -> list[str]:
+    """Every action script a CRIU configuration names (CRIU runs each one)."""
+    out = []
+    for line in text.splitlines():
+        words = line.split(None, 1)
+        if len(words) == 2 and words[0] == "action-script":
+            out.append(words[1].strip().strip('"'))
+    return out
+
+
+def registration(text: str) -> tuple[str | None, str | None]:
+    """(mode, script) runc.conf's text shows: ("global", script) for an
+    action-script line of cudahook's, ("gpu-only", script) for the comment
+    gpu-only leaves, (None, None) for neither."""
+    ours = [s for s in action_scripts(text) if is_ours(s)]
+    if ours:
+        return "global", ours[0]
+    for line in text.splitlines():
+        if line.startswith(GPU_ONLY):
+            return "gpu-only", line[len(GPU_ONLY):].split(" (", 1)[0].strip()
+    return None, None
+
+
+def gpu_only_line(script: str) -> str:
+    return f"{GPU_ONLY}{script} (the runtime wrapper names it for GPU containers only)"
+
+
+def without_ours(text: str) -> str:
+    """`text` without cudahook's lines: its action scripts and its comments."""
+    keep = []
+    for line in text.splitlines(keepends=True):
+        words = line.split(None, 1)
+        if len(words) == 2 and words[0] == "action-script" and is_ours(
+                words[1].strip().strip('"')):
+            continue
+        if line.startswith("# cudahook: "):
+            continue
+        keep.append(line)
+    return "".join(keep)
+
+
+def for_container(base: str, script: str) -> str:
+    """A container's CRIU configuration: the site's options, then the script."""
+    text = without_ours(base)
+    sep = "" if not text or text.endswith("\n") else "\n"
+    return f"{text}{sep}{COMMENT}\naction-script {script}\n"
+
+
+def read_base(path: str) -> str:
+    """A CRIU configuration file's text ("" for none, or a missing file: CRIU
+    ignores a file that does not exist). Raises ValueError past MAX_CONF."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONF + 1)
+    except FileNotFoundError:
+        return ""
+    if len(data) > MAX_CONF:
+        raise ValueError(f"{path} is larger than {MAX_CONF} bytes: not copied")
+    return data.decode(errors="surrogateescape")
+
+
+def conf_dir(state_dir: str | os.PathLike[str]) -> Path:
+    return Path(state_dir) / SUBDIR
+
+
+def conf_path(state_dir: str | os.PathLike[str], container_id: str) -> Path:
+    if not _ID.match(container_id):
+        raise ValueError(f"container id {container_id[:60]!r} is not one runc accepts")
+    return conf_dir(state_dir) / f"{container_id}.conf"
+
+
+def is_copy(path: str, state_dir: str | os.PathLike[str]) -> bool:
+    return os.path.dirname(os.path.normpath(path)) == str(conf_dir(state_dir))
+
+
+def write(state_dir: str | os.PathLike[str], container_id: str, text: str) -> Path:
+    """Write a container's copy (0600 in a root-only directory). Past
+    MAX_FILES copies, stale ones go first; if none is, raises OSError."""
+    from .atomic import write_atomic
+    from .privdir import ensure_private_dir
+
+    path = conf_path(state_dir, container_id)
+    ensure_private_dir(Path(state_dir))
+    ensure_private_dir(path.parent)
+    if not path.exists() and len(os.listdir(path.parent)) >= MAX_FILES:
+        prune(state_dir)
+        if len(os.listdir(path.parent)) >= MAX_FILES:
+            raise OSError(f"{path.parent} already holds {MAX_FILES} CRIU configurations")
+    write_atomic(path, text.encode(errors="surrogateescape"), 0o600)
+    return path
+
+
+def remove(state_dir: str | os.PathLike[str], container_id: str) -> None:
+    with contextlib.suppress(ValueError):  # not an id runc accepts: never written
+        conf_path(state_dir, container_id).unlink(missing_ok=True)
+
+
+def prune(state_dir: str | os.PathLike[str], *, now: float | None = None) -> int:
+    """Remove copies of containers without a record in the state directory
+    (the store's containers/<id>.json), once older than STALE_S. Returns how
+    many went."""
+    d = conf_dir(state_dir)
+    try:
+        live = {n[:-5] for n in os.listdir(Path(state_dir) / "containers") if n.endswith(".json")}
+    except OSError:
+        live = set()
+    cutoff = (time.time() if now is None else now) - STALE_S
+    gone = 0
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.endswith(".conf") or name[:-5] in live:
+            continue
+        p = d / name
+        try:
+            if p.lstat().st_mtime < cutoff:
+                p.unlink()
+                gone += 1
+        except OSError:
+            continue
+    return gone
