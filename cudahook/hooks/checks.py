@@ -17,12 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from cudahook.core import manifest
 from cudahook.platform import reasons
 from cudahook.platform.errors import CudahookError, Exit
+from cudahook.platform.record import Record
 
 from . import annotations as ann
 from .context import Context
@@ -41,8 +41,7 @@ MIN_CRIU = (4, 0)
 VERDICT_CACHE_TTL_S = 3600.0
 
 
-@dataclass
-class Problem:
+class Problem(Record):
     code: str
     detail: str
 
@@ -56,17 +55,21 @@ class Problem:
                 "never_here": r.never_here}
 
 
-@dataclass
-class Verdict:
+class Verdict(Record):
     side: str  # "checkpoint" or "restore"
-    target: dict[str, Any] = field(default_factory=dict)
-    problems: list[Problem] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    checked: list[str] = field(default_factory=list)
-    facts: dict[str, Any] = field(default_factory=dict)
-    time: float = field(default_factory=time.time)
+    target: dict[str, Any] = {}  # (a fresh dict or list for each: see Record)
+    problems: list[Problem] = []
+    warnings: list[str] = []
+    checked: list[str] = []
+    facts: dict[str, Any] = {}
+    time: float = 0.0  # when it was given; 0: now
     cached: bool = False
-    found: Discovery | None = field(default=None, repr=False)  # checkpoint side: what was found
+    found: Discovery | None = None  # checkpoint side: the processes found
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.time:
+            self.time = time.time()
 
     @property
     def ok(self) -> bool:

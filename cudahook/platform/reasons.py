@@ -11,13 +11,11 @@ the runtime only see that); `cudahook check` reduces every problem to 1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .errors import Exit
+from .record import Record
 
 
-@dataclass(frozen=True)
-class Reason:
+class Reason(Record, frozen=True):
     code: str
     side: str  # "checkpoint", "restore" or "both"
     exit: Exit  # what a hook refusing for this reason exits with
