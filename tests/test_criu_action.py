@@ -350,8 +350,9 @@ def test_post_restore_of_a_mig_instance_in_place(make_node, tmp_path: Path) -> N
 def test_pre_dump_refuses_a_process_it_did_not_lock_or_checkpoint(
         make_node, tmp_path: Path, driver: int, left: str) -> None:  # type: ignore[no-untyped-def]
     """A process already checkpointed holds no device file, but keeps its
-    CUDA restore thread: pre-dump sees it, and refuses (exit 4) before
-    anything is locked - dumped, it would be restored without its GPU state."""
+    CUDA restore thread: pre-dump sees it, and refuses (its reason code,
+    exit 1) before anything is locked - dumped, it would be restored without
+    its GPU state."""
     node = make_node(driver=driver)
     script = install(tmp_path, node)
     image = tmp_path / "img"
@@ -366,8 +367,9 @@ def test_pre_dump_refuses_a_process_it_did_not_lock_or_checkpoint(
         engine.checkpoint([b])
     r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                CRTOOLS_IMAGE_DIR=str(image))
-    assert r.returncode == 4 and r.stderr.count("\n") == 1, r.stderr
-    assert f"pid {b} is already {left}" in r.stderr and "nothing was locked" in r.stderr
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"PROCESS_{left.upper()}: pid {b} is {left}" in r.stderr, r.stderr
+    assert "nothing was locked" in r.stderr
     assert os.listdir(image) == [] and events(node, "checkpoint") == []
     node.lab.wait_counter("a", node.lab.status("a")["counter"] + 3)  # never locked
     assert engine.read_state(b) == left  # nor moved

@@ -39,7 +39,7 @@ from cudahook.hooks.criu_env import PID_MAX_LIMIT
 from cudahook.platform.host import Host
 from cudahook.vmm import coordinator as vmm
 
-EXITS = {0, 1, 2, 3, 4, 5}
+EXITS = {0, 1, 2, 3, 4, 5, 6}
 MEMORY_LIMIT = 2 << 30  # address space of the worker and of each hook process
 SLOW_S = 8.0  # no call may take longer (the longest deadline cudahook has is 10 s)
 WORKER = Path(__file__).with_name("fuzz_worker.py")

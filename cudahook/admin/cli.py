@@ -1,9 +1,10 @@
 """`cudahook`: the administrator's command line.
 
 Exit codes (also in the README): 0 done; 1 the operation failed and the
-workload was rolled back to running; 2 bad arguments or input; 3 invalid
-configuration; 4 the workload could not be brought back to a safe state;
-5 a required tool or driver feature is missing.
+workload was rolled back to running (`check`: it would fail now); 2 bad
+arguments or input; 3 invalid configuration; 4 the workload could not be
+brought back to a safe state; 5 a required tool or driver feature is
+missing; 6 (`check --image`) this image can never be restored on this node.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="show a checkpoint's per-process timeline from its manifest")
     st.add_argument("--no-live", action="store_true",
                     help="do not query process states (no cuda-checkpoint calls)")
+    from . import check as check_cmd
+
+    check_cmd.add_parser(sub)
     doc = sub.add_parser("doctor", help="check this node and explain problems")
     doc.add_argument("--root", default=None, help=argparse.SUPPRESS)
     cf = sub.add_parser("configure", help="register cudahook with a container runtime")
@@ -181,10 +185,16 @@ def run(args: argparse.Namespace) -> int:
                         f"{g.driver_version}" for g in gpus))
         return Exit.OK
 
-    if args.cmd in ("status", "doctor"):
+    if args.cmd in ("status", "doctor", "check"):
         from cudahook.hooks.context import Context
 
         ctx = Context(settings, host)
+        if args.cmd == "check":
+            from . import check
+
+            verdict = check.run(ctx, args)
+            _emit(args, verdict.to_dict(), check.render(verdict))
+            return verdict.exit_code
         if args.cmd == "doctor":
             from . import doctor
 

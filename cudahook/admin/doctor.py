@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cudahook.admin import registrations
+from cudahook.hooks.checks import MIN_CRIU
 from cudahook.hooks.context import Context
 from cudahook.platform import paths
 
@@ -59,7 +60,7 @@ def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
     else:
         r = host.run([criu, "--version"], 10)
         version = _version(r.stdout)
-        if version < (4, 0):
+        if version < MIN_CRIU:
             checks.append(Check("criu", "fail", f"CRIU {'.'.join(map(str, version)) or '?'}",
                                 "CRIU >= 4.0 is needed: ./install.sh --with-criu"))
         else:

@@ -30,7 +30,14 @@ def gather(ctx: Context, *, live: bool = True) -> dict[str, Any]:
     for cid, last in history.items():
         if cid not in known:
             out.append({"id": cid, "alive": False, "gone": True, "processes": [], "last": last})
-    return {"criu_registration": criu_registration(), "containers": out}
+    # The metrics each container has (the same series as the metrics file).
+    from cudahook.platform import metrics
+
+    series = metrics.per_container(ctx.settings)
+    for c in out:
+        c["metrics"] = series.get(c["id"], {})
+    return {"criu_registration": criu_registration(), "containers": out,
+            "metrics_file": str(metrics.metrics_path(ctx.settings) or "")}
 
 
 def criu_registration() -> str:
@@ -117,6 +124,12 @@ def render(data: dict[str, Any]) -> str:
             result = "ok" if last.get("ok") else f"FAILED: {last.get('error', '')}"
             took = f" in {last['total_s']:.3f}s" if "total_s" in last else ""
             lines.append(f"    last {kind}: {_when(last.get('time'))}{took} {result}")
+        check = c.get("last", {}).get("check")
+        if check:
+            verdict = ("ok" if check.get("ok") else
+                       f"REFUSED {','.join(check.get('codes') or [])}: {check.get('message', '')}")
+            lines.append(f"    last check ({check.get('side', '?')}): {_when(check.get('time'))} "
+                         f"{verdict}")
         tl = c.get("last", {}).get("checkpoint", {}).get("timeline")
         if tl:
             lines.append("    checkpoint timeline:")

@@ -122,6 +122,7 @@ def discover(
     *,
     require_device_fd: bool = True,
     max_parallel: int = 64,
+    members: tuple[list[int], str] | None = None,
 ) -> Discovery:
     """CUDA processes of the container.
 
@@ -132,7 +133,8 @@ def discover(
     process an earlier one left checkpointed. Restore-time discovery
     (`require_device_fd=False`) probes every process of the container.
     """
-    pids, scope = container_pids(host, init_pid)
+    # `members`: container_pids(host, init_pid) as the caller just read it.
+    pids, scope = members if members is not None else container_pids(host, init_pid)
     result = Discovery(init_pid=init_pid, scope=scope, scanned=len(pids))
     for pid in pids:
         try:

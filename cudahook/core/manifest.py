@@ -30,10 +30,65 @@ class ManifestError(CudahookError):
     exit_code = Exit.USAGE
 
 
-def write(image_dir: Path, data: dict[str, Any]) -> Path:
+# cudahook's own files in an image are checksummed up to this size (the VMM
+# state is capped at 1 GiB where it is copied, see vmm/coordinator.py).
+MAX_FILE_BYTES = 1 << 30
+# Hashing must not hold a hook past this (all files together): 1 GiB takes
+# a few seconds from a local disk, more from a network mount.
+HASH_TIMEOUT_S = 120.0
+
+
+def write(image_dir: Path, data: dict[str, Any], files: list[str] | tuple[str, ...] = ()) -> Path:
+    """Write the manifest; `files`, cudahook's own files already in the
+    image, go in with their sha256, which the restore side verifies."""
+    from cudahook.platform import safeio
+
+    sums = {}
+    for name in files:
+        digest, size = safeio.sha256_file(image_dir / name, MAX_FILE_BYTES, HASH_TIMEOUT_S)
+        sums[name] = {"sha256": digest, "size": size}
+    if sums:
+        data = {**data, "files": sums}
     path = image_dir / NAME
     write_json_atomic(path, {"version": VERSION, **data}, mode=0o600)
     return path
+
+
+def digest(image_dir: Path) -> str:
+    """sha256 of the manifest file as it is: what identifies one checkpoint."""
+    from cudahook.platform import safeio
+
+    return safeio.sha256_file(image_dir / NAME, MAX_BYTES)[0]
+
+
+def verify_files(image_dir: Path, data: dict[str, Any]) -> list[tuple[str, str]]:
+    """(file, problem) for each file the manifest names that is missing,
+    not a regular file, or not the file that was checksummed. A manifest
+    written before checksums were recorded names none: nothing to verify."""
+    import time
+
+    from cudahook.platform import safeio
+
+    out = []
+    # One budget for all of them: a manifest may name up to 64 files.
+    deadline = time.monotonic() + HASH_TIMEOUT_S
+    for name, want in sorted((data.get("files") or {}).items()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            out.append((name, f"not verified within {HASH_TIMEOUT_S:g}s"))
+            continue
+        try:
+            got, size = safeio.sha256_file(image_dir / name, MAX_FILE_BYTES, left)
+        except FileNotFoundError:
+            out.append((name, "missing"))
+            continue
+        except (OSError, safeio.FileRefused) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
+            out.append((name, f"unreadable ({why})"))
+            continue
+        if got != want.get("sha256") or size != want.get("size"):
+            out.append((name, "checksum"))
+    return out
 
 
 def read(image_dir: Path) -> dict[str, Any] | None:

@@ -9,8 +9,11 @@ calls on the core.
   and a restore, in order. `criu_env` parses CRIU's environment, `criu_run`
   keeps one CRIU run's progress (its actions run twice), `containers` finds
   the container behind it, `restore_gate` decides whether an image may be
-  restored here, and `guardian` is the detached process that brings CUDA
-  processes back when CRIU did not.
+  restored here, `checks` whether a checkpoint or a restore can succeed
+  now (with reason codes; `cudahook check` calls the same functions),
+  `results` keeps each outcome for `cudahook status` and the metrics, and
+  `guardian` is the detached process that brings CUDA processes back when
+  CRIU did not.
 - `runtime_wrapper`: the runc wrapper that adds the OCI hooks.
 - `context`: what every hook needs, assembled once per run.
 

@@ -53,11 +53,9 @@ def gpu_uuids(ctx: Context, visible: list[str] | None) -> list[str]:
 def gpus_and_models(ctx: Context, visible: list[str] | None
                     ) -> tuple[list[str], dict[str, tuple[str, int | None]]]:
     """The UUIDs of the GPUs `visible` names, and every node GPU's (model, MiB)."""
-    from cudahook.core.gpus import query_gpus
-
     from .gpu_request import resolve_uuids
 
-    gpus = query_gpus(ctx.host, ctx.settings)
+    gpus = ctx.gpus
     return resolve_uuids(visible or ["all"], gpus), {g.uuid: (g.name, g.memory_mib) for g in gpus}
 
 

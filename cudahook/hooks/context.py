@@ -14,6 +14,7 @@ from cudahook.platform.store import Store
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from cudahook.core.backends import Backend
+    from cudahook.core.gpus import Gpu
 
 
 class Context:
@@ -32,6 +33,19 @@ class Context:
     @cached_property
     def engine(self) -> Engine:
         return Engine(self.backend, self.settings, self.host)
+
+    @cached_property
+    def gpus(self) -> list[Gpu]:
+        """The node's GPUs as nvidia-smi lists them, asked once per hook run:
+        the checks and the checkpoint share one call."""
+        from cudahook.core.gpus import query_gpus
+        from cudahook.platform.errors import CudahookError
+
+        try:
+            return query_gpus(self.host, self.settings)
+        except CudahookError as exc:
+            exc.reason = exc.reason or "GPU_QUERY_FAILED"
+            raise
 
     def log(self, event: str, **fields: object) -> None:
         from cudahook.platform.eventlog import log

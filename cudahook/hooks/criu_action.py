@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from cudahook.core import manifest
-from cudahook.core.discovery import describe_holders, device_files, discover
+from cudahook.core.discovery import describe_holders, device_files
 from cudahook.platform.errors import (
     CudahookError,
     EnvironmentProblem,
@@ -39,7 +39,7 @@ from cudahook.platform.errors import (
 from cudahook.platform.marks import mark, prune_restore_marks
 from cudahook.vmm import coordinator as vmm
 
-from . import criu_env, guardian
+from . import checks, guardian, results
 from . import criu_run as criu_run_steps
 from .containers import container_for, gpus_and_models, kill_container, restored_pids, visible_gpus
 from .context import Context
@@ -164,53 +164,32 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         ctx.log("pre-dump", container=cid, skipped="disabled by annotation")
         return Exit.OK
 
-    # 2. Discover its CUDA processes: those holding device files, and those
-    #    with a CUDA restore thread but none (already checkpointed). Hazard:
-    #    a probe that times out is not "not CUDA" - discovery fails instead,
-    #    or a process would be dumped with live GPU state. Nothing touched
-    #    yet: a failure needs no undo.
-    found = discover(ctx.host, ctx.backend, init_pid, ctx.settings.device_regex,
-                     max_parallel=ctx.settings.max_parallel)
-    for w in found.warnings:
+    # 2. Discover its CUDA processes, and check everything `cudahook check`
+    #    knows would make this checkpoint fail: NVIDIA device files CRIU
+    #    cannot dump (an NVML monitor), CRIU's own CUDA plugin acting on the
+    #    same processes, a process stopped or traced (cuda-checkpoint would
+    #    hang on it), not running (one already locked or checkpointed, found
+    #    by its restore thread, was not put there by this checkpoint: dumped,
+    #    it would be restored without its GPU state), failed; too little host memory or image
+    #    space; persistence off. The same checks (hooks/checks.py), refused
+    #    with their reason code before anything is locked. Hazard: a probe
+    #    that times out is not "not CUDA" - it refuses too, or a process
+    #    would be dumped with live GPU state. Nothing touched: no undo.
+    verdict = checks.checkpoint_checks(ctx, init_pid=init_pid, full=False,
+                                       image_dir=call.image_dir, container=cid)
+    for w in verdict.warnings:
         ctx.log("pre-dump", container=cid, warning=w)
-    # Hazard: a process that is not CUDA but holds NVIDIA device files (an
-    # NVML monitor) makes CRIU's dump fail on a real node, and a CUDA
-    # checkpoint cannot release them. Refuse before anything is locked.
-    others = {pid: files for pid in found.skipped
-              if (files := device_files(ctx.host, pid, ctx.settings.device_regex))}
-    if others:
-        return _refuse(ctx, cid, init_pid, len(found.processes), Exit.FAILED,
-                       "CRIU cannot dump open NVIDIA device files: "
-                       + describe_holders(others, "not a CUDA process, e.g. NVML")
-                       + "; nothing was locked")
+    found = verdict.found
+    if not verdict.ok or found is None:
+        checks.remember(ctx, cid, verdict)
+        return _refuse(ctx, cid, init_pid, len(found.processes) if found else 0,
+                       verdict.hook_exit, verdict.message() + "; nothing was locked",
+                       reasons=[p.code for p in verdict.problems])
     if not found.processes:
         ctx.log("pre-dump", container=cid, init_pid=init_pid, cuda_processes=0)
         return Exit.OK
-    # Hazard: a process already locked or checkpointed was not put there by
-    # this checkpoint (an earlier one that never finished, whose guardian
-    # is gone; or another tool). Dumped, it would be restored without its
-    # GPU state: "successfully", but dead. Its owner is unknown, so nothing
-    # here may move it: refuse before anything is locked.
-    found.processes = _with_states(ctx, found.processes)
-    stale = _not_running(found.processes)
-    if stale:
-        return _refuse(ctx, cid, init_pid, len(found.processes), Exit.UNSAFE,
-                       "; ".join(f"pid {pid} is already {state}" for pid, state in stale)
-                       + " (left so by an earlier checkpoint or another tool, not by this one): "
-                       "dumped, it would lose its GPU state; bring it back first (cudahook "
-                       "restore --pid PID); nothing was locked")
     if call.image_dir is None:
         raise UsageError("pre-dump: CRTOOLS_IMAGE_DIR is not set")
-    # Hazard: CRIU's own CUDA plugin locks at seize and checkpoints at dump on
-    # its own: after our checkpoint its lock fails ("illegal state") and the
-    # dump with it; its restore has no device map, no rollback, no VMM step.
-    # Two owners of one process's CUDA state is never safe: refuse first.
-    plugins = criu_env.cuda_plugins()
-    if plugins:
-        return _refuse(ctx, cid, init_pid, len(found.processes), Exit.ENVIRONMENT,
-                       f"CRIU's own CUDA plugin is installed ({', '.join(plugins)}) and would "
-                       "checkpoint the same processes: remove it, or stop using cudahook on "
-                       "this node; nothing was locked")
 
     # 3. Arm the guardian, before anything is touched. Hazard: this script
     #    can die at any point from here on (a runtime's or kubelet's timeout
@@ -238,11 +217,14 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     try:
         gpus, models = gpus_and_models(ctx, visible_gpus(record))
         version = ctx.backend.features.version
+        began = time.monotonic()
         with_vmm = _interposer_prepare(ctx, cid, found.processes, call)
+        vmm_prepare_s = time.monotonic() - began if with_vmm else None
         if with_vmm:
             keep_vmm_state(call, criu_run)
     except CudahookError as exc:
-        _remember(ctx, cid, "checkpoint", ok=False, error=str(exc))
+        _remember(ctx, cid, "checkpoint", ok=False, error=str(exc),
+                  reasons=[exc.reason] if exc.reason else [])
         raise
     except OSError as exc:
         message = f"pre-dump: cannot keep the VMM state for the guardian: {exc}; nothing was locked"
@@ -271,7 +253,8 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
             criu_run.step(criu_run_steps.ROLLED_BACK)
         ctx.log("checkpoint", container=cid, error=error, pids=found.pids, unsafe=unsafe,
                 timeline=exc.result.timeline.to_dict() if exc.result else None)
-        _remember(ctx, cid, "checkpoint", ok=False, error=error, unsafe=unsafe)
+        _remember(ctx, cid, "checkpoint", ok=False, error=error, unsafe=unsafe,
+                  rolled_back=bool(exc.result and exc.result.rolled_back))
         return rc
 
     # Hazard: NVML handles (and a fork()ed child's CUDA references) survive
@@ -280,7 +263,7 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     leftover = {p.pid: files for p in found.processes
                 if (files := device_files(ctx.host, p.pid, ctx.settings.device_regex))}
     if leftover:
-        message = ("CRIU cannot dump open NVIDIA device files left after the CUDA checkpoint "
+        message = ("NVML_FDS: CRIU cannot dump open NVIDIA device files left after the CUDA checkpoint "
                    "(NVML handles are not released by it): "
                    + describe_holders(leftover, "CUDA process"))
         code = Exit.FAILED
@@ -298,7 +281,8 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         if code == Exit.FAILED:
             criu_run.step(criu_run_steps.ROLLED_BACK)
         ctx.log("checkpoint", container=cid, error=message, pids=found.pids)
-        _remember(ctx, cid, "checkpoint", ok=False, error=message)
+        _remember(ctx, cid, "checkpoint", ok=False, error=message, unsafe=code == Exit.UNSAFE,
+                  rolled_back=True, reasons=["NVML_FDS"])
         return code
 
     # 6. Record the checkpoint in the image. Hazard: the dump can still fail
@@ -318,12 +302,13 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         "gpu_models": {u: {"name": models[u][0], "memory_mib": models[u][1]}
                        for u in gpus if u in models},
         "vmm": with_vmm,
+        "gpu_memory_bytes": verdict.facts.get("gpu_memory_bytes"),
         "processes": [{"nspid": p.nspid, "pid": p.pid, "state": p.state}
                       for p in found.processes],
         "timeline": result.timeline.to_dict(),
     }
     try:
-        manifest.write(call.image_dir, data)
+        manifest.write(call.image_dir, data, files=[vmm.STATE_FILE] if with_vmm else [])
     except Exception as exc:
         with contextlib.suppress(OSError):
             (call.image_dir / manifest.NAME).unlink()
@@ -338,11 +323,14 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
 
     # 7. Handed over to CRIU: it dumps the processes, now without GPU state.
     criu_run.step(criu_run_steps.RECORDED)
+    criu_run["handed_over"] = time.time()  # CRIU dumps from here (the guardian's metric)
     ctx.log("checkpoint", container=cid, pids=found.pids,
             nspids=[p.nspid for p in found.processes], total_s=result.timeline.total(),
             timeline=result.timeline.to_dict())
     _remember(ctx, cid, "checkpoint", ok=True, pids=found.pids,
-              total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict())
+              total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict(),
+              gpu_bytes=verdict.facts.get("gpu_memory_bytes"), vmm_prepare_s=vmm_prepare_s,
+              gpu_model=_model({u: m[0] for u, m in models.items()}, gpus))
     criu_run["checkpointed"] = found.pids
     return Exit.OK
 
@@ -418,18 +406,25 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     data = manifest.read(call.image_dir)
     if data is None:
         return Exit.OK
-    # Hazard: CRIU's own CUDA plugin would restore and unlock these processes
-    # itself, without a device map, before post-resume: refuse while nothing
-    # runs yet.
-    plugins = criu_env.cuda_plugins()
-    if plugins:
-        raise EnvironmentProblem(
-            f"CRIU's own CUDA plugin is installed ({', '.join(plugins)}) and would restore "
-            "the same processes: remove it to restore this checkpoint")
-    # 2. The restore gate: same driver branch, the GPUs present, a device map
-    #    this driver can apply. A refusal here is clean.
+    # 2. The restore checks of `cudahook check --image` (hooks/checks.py): the
+    #    image intact, CRIU's own CUDA plugin absent (it would restore these
+    #    processes without a device map), the same driver branch, the GPUs
+    #    present, a device map this driver can apply, the VMM coordinator.
+    #    A refusal here is clean; one that no retry here can change is
+    #    remembered, and the next attempt refused at once.
     record, ctx, opts = container_for(ctx, _need_init(ctx, call))
-    mapping = plan_restore(ctx, record, opts, data)
+    verdict = checks.restore_checks(ctx, call.image_dir, record, opts)
+    cid = (record or {}).get("id") or data.get("container_id")
+    kept = checks.write_verdict(ctx, call.image_dir, verdict)
+    criu_run["criu_restore_s"] = results.criu_elapsed(ctx, call.criu_pid)
+    if not verdict.ok:
+        checks.remember(ctx, cid, verdict)
+        ctx.log("post-restore", container=cid, verdict=str(kept), reasons=[
+            p.code for p in verdict.problems], cached=verdict.cached)
+        _remember(ctx, cid, "restore", ok=False, error=verdict.message(),
+                  reasons=[p.code for p in verdict.problems], gpu_model=_model(data))
+        raise checks.Refused(verdict, "post-restore")
+    mapping = verdict.facts.get("device_map")
     criu_run["device_map"] = mapping
     # 3. Hazard: by post-resume CRIU has closed the image directory
     #    (CRTOOLS_IMAGE_DIR names a dead /proc/<criu>/fd/N): keep what the
@@ -442,11 +437,7 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         if vmm.has_state(call.image_dir):
             ctx.log("post-restore", warning="cuda-vmm.state in the image is not from this "
                     "checkpoint (its manifest has no VMM step): ignored")
-    elif not vmm.has_state(call.image_dir):
-        raise EnvironmentProblem(
-            "the checkpoint took the CUDA VMM interposer's state, but the image has no "
-            "regular cuda-vmm.state: its mappings could not be restored")
-    else:
+    else:  # the checks made sure it is there
         vmm_dir = vmm.locate_state(call.image_dir, criu_run.path.with_suffix(".vmm"))
     criu_run["vmm_dir"] = vmm_dir
     criu_run["manifest"] = data
@@ -507,12 +498,14 @@ def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, An
         result = ctx.engine.restore(procs, mapping, unlock=not before)
         # 3. The VMM coordinator replays CUDA calls inside the workload: it
         #    needs the processes restored and, by default, unlocked.
+        began, vmm_s = time.monotonic(), None
         if vmm_dir:
             pairs = list(zip(procs, (p["nspid"] for p in data["processes"]), strict=True))
             output = vmm.run_coordinator(ctx.host, ctx.settings.tool("vmm_coordinator"),
                                          "restore", "", Path(vmm_dir), pairs,
                                          ctx.settings.vmm_timeout_s)
             ctx.log("vmm-restore", container=cid, pids=procs, output=output)
+            vmm_s = time.monotonic() - began
             if before:
                 ctx.engine.unlock(procs)
     except CudahookError as exc:
@@ -522,14 +515,18 @@ def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, An
         error = f"restore failed, container killed ({killed} processes): {exc}"
         timeline = exc.result.timeline.to_dict() if isinstance(exc, PhaseError) and exc.result else None
         ctx.log("restore", container=cid, error=error, timeline=timeline)
-        _remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline)
+        _remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline, killed=killed,
+                  gpu_model=_model(data))
         return int(exc.exit_code) or Exit.FAILED
     if vmm_dir and cid:
         record_vmm_sockets(ctx, cid, procs, [p["nspid"] for p in data["processes"]])
     ctx.log("restore", container=cid, pids=procs, device_map=mapping,
             total_s=result.timeline.total(), timeline=result.timeline.to_dict())
     _remember(ctx, cid, "restore", ok=True, pids=procs, device_map=mapping,
-              total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict())
+              total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict(),
+              gpu_bytes=data.get("gpu_memory_bytes"), gpu_model=_model(data),
+              criu_restore_s=criu_run.get("criu_restore_s"),
+              vmm_restore_s=vmm_s)
     return Exit.OK
 
 
@@ -548,11 +545,11 @@ def record_vmm_sockets(ctx: Context, cid: str, pids: list[int], nspids: list[int
 
 
 def _refuse(ctx: Context, cid: str | None, init_pid: int, cuda_processes: int, code: int,
-            message: str) -> int:
+            message: str, reasons: list[str]) -> int:
     """A refusal before anything was touched: logged, remembered, returned."""
     ctx.log("pre-dump", container=cid, init_pid=init_pid, error=message,
-            cuda_processes=cuda_processes)
-    _remember(ctx, cid, "checkpoint", ok=False, error=message)
+            cuda_processes=cuda_processes, reasons=reasons)
+    _remember(ctx, cid, "checkpoint", ok=False, error=message, reasons=reasons)
     return code
 
 
@@ -570,31 +567,6 @@ def _need_init(ctx: Context, call: CriuCall) -> int:
     return call.init_pid
 
 
-def _with_states(ctx: Context, procs: list[Any]) -> list[Any]:
-    """The processes with their states. Discovery reads them where one call
-    answers both questions; where it did not (R590+, which probes the
-    restore thread), they are read now - the checkpoint would read them
-    first anyway, and takes them as fresh, so no call is added. A state
-    that cannot be read stays unknown: the checkpoint reads it again and
-    refuses before locking anything."""
-    from cudahook.core.discovery import CudaProcess
-    from cudahook.core.timeline import Timeline
-
-    unknown = [p.pid for p in procs if p.state is None]
-    if not unknown:
-        return procs
-    states, _ = ctx.engine.read_states(unknown, Timeline())
-    return [CudaProcess(p.pid, p.nspid, states[p.pid]) if p.state is None and p.pid in states
-            else p for p in procs]
-
-
-def _not_running(procs: list[Any]) -> list[tuple[int, str]]:
-    """(pid, state) of the CUDA processes already locked or checkpointed."""
-    from cudahook.core.backends import CHECKPOINTED, LOCKED
-
-    return [(p.pid, p.state) for p in procs if p.state in (LOCKED, CHECKPOINTED)]
-
-
 def _start_time(ctx: Context, pid: int) -> int | None:
     try:
         return ctx.host.start_time(pid)
@@ -603,8 +575,21 @@ def _start_time(ctx: Context, pid: int) -> int | None:
 
 
 def _remember(ctx: Context, cid: str | None, kind: str, **result: Any) -> None:
-    """The last result per container, for `cudahook status`; never fatal."""
-    if not cid:
-        return
-    with contextlib.suppress(OSError, CudahookError):
-        ctx.store.remember(cid, kind, {"time": time.time(), **result})
+    """The last result per container, for `cudahook status` and the
+    metrics; never fatal."""
+    results.remember(ctx, cid, kind, **result)
+
+
+def _model(data: dict[str, Any] | None, gpus: list[str] | None = None) -> str | None:
+    """The GPU model label of the metrics: the first GPU's, from
+    {uuid: name} or a manifest's gpu_models."""
+    if data is None:
+        return None
+    models = data.get("gpu_models") if "gpu_models" in data else data
+    uuids = gpus if gpus is not None else list(data.get("gpus") or [])
+    for u in uuids:
+        m = (models or {}).get(u) if isinstance(models, dict) else None
+        name = m.get("name") if isinstance(m, dict) else m
+        if isinstance(name, str) and name:
+            return name
+    return None

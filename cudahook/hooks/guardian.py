@@ -231,16 +231,17 @@ def _frozen(ctx: Any, pid: int) -> bool:
         return False
 
 
-def _how(args: dict[str, Any]) -> tuple[str, str | None]:
+def _how(args: dict[str, Any]) -> tuple[str, str | None, Any]:
     """What the run's progress record says of the pre-dump that armed us:
-    its outcome, or that it did not finish, and the last step it took."""
+    its outcome, or that it did not finish; the last step it took; and
+    when it handed the processes over to CRIU, if it did."""
     from pathlib import Path
 
     from cudahook.platform.store import read_json
 
     data = read_json(Path(args["run"])) if args.get("run") else None
     if not isinstance(data, dict):
-        return "pre-dump left no record", None
+        return "pre-dump left no record", None, None
     done = data.get("done")
     rc = done.get("pre-dump") if isinstance(done, dict) else None
     # The step is the first call's: CRIU's duplicate call refuses to act
@@ -248,7 +249,7 @@ def _how(args: dict[str, Any]) -> tuple[str, str | None]:
     step = data.get("step") if isinstance(data.get("step"), str) else None
     last = f"last step: {step or 'none'}"
     return (f"pre-dump exited {rc} ({last})" if type(rc) is int
-            else f"pre-dump did not finish ({last})"), step
+            else f"pre-dump did not finish ({last})"), step, data.get("handed_over")
 
 
 def main(arg: str) -> int:
@@ -279,6 +280,7 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
     from cudahook.platform.config import Settings
     from cudahook.platform.errors import CudahookError
 
+    from . import results
     from .context import Context
 
     ctx = Context(Settings(**args["settings"]))
@@ -293,7 +295,11 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
             ctx.log("guardian", container=cid, error=f"{what} (pid {pid}) still running after "
                     f"{MAX_WAIT_S}s: the workload is left as it is")
             return 1
-    how, step = _how(args)
+    how, step, handed_over = _how(args)
+    # CRIU's own dump time, as seen from here: pre-dump's end to CRIU's exit.
+    if isinstance(handed_over, (int, float)):
+        results.count(ctx, cid or "", "criu-dump",
+                      {"criu_dump_s": max(0.0, time.time() - handed_over)})
     keep = args.get("vmm")
     if keep and not os.path.isdir(keep["dir"]):
         keep = None  # prepare never ran (or no VMM step): nothing to replay
@@ -348,15 +354,10 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
         error = f"could not bring the workload back onto its GPU: {exc}"
         ctx.log("guardian", container=cid, pids=alive, error=error, run=how,
                 vmm_state=keep["dir"] if keep else None)
-        if cid:
-            with contextlib.suppress(OSError, CudahookError):
-                ctx.store.remember(cid, "resume", {"time": time.time(), "ok": False,
-                                                   "unsafe": True, "error": error})
+        results.remember(ctx, cid, "resume", ok=False, unsafe=True, error=error)
         return 1
     _drop(keep)
     ctx.log("guardian", container=cid, pids=todo, outcome="resumed on GPU after the dump",
             run=how, total_s=result.timeline.total(), timeline=result.timeline.to_dict())
-    if cid:
-        with contextlib.suppress(OSError, CudahookError):
-            ctx.store.remember(cid, "resume", {"time": time.time(), "ok": True, "pids": todo})
+    results.remember(ctx, cid, "resume", ok=True, pids=todo)
     return 0

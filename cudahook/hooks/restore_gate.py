@@ -32,13 +32,14 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         # Without it the branch check would pass by default: refuse instead.
         raise EnvironmentProblem(
             "the checkpoint does not record the driver version it was taken with: "
-            "cannot check that this node runs the same driver branch")
+            "cannot check that this node runs the same driver branch", reason="MANIFEST_NO_DRIVER")
     if int(had) != have:
         raise NotRestorableHere(
             f"checkpoint was taken with driver {data['driver_version']}, this node runs "
-            f"{feats.version}: restore needs the same driver branch")
+            f"{feats.version}: restore needs the same driver branch", reason="DRIVER_BRANCH")
     if not feats.actions and not feats.toggle:
-        raise EnvironmentProblem("cuda-checkpoint on this node supports neither actions nor toggle")
+        raise EnvironmentProblem("cuda-checkpoint on this node supports neither actions nor toggle",
+                                 reason="DRIVER_TOO_OLD")
     source = list(data.get("gpus") or [])
     node, now = gpus_and_models(ctx, ["all"])
     if any(u.startswith("MIG-") for u in source):
@@ -55,7 +56,7 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
             raise EnvironmentProblem(
                 "the cudahook.io/device-map annotation does not name GPU(s) "
                 + ", ".join(uncovered) + " of the checkpoint: a device map must cover "
-                "every GPU the processes used")
+                "every GPU the processes used", reason="DEVICE_MAP_INVALID")
         missing = [u for u in (mapping or {}).values() if u not in node]
     else:
         visible = visible_gpus(record)
@@ -64,16 +65,17 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         try:
             mapping = compute_device_map(source, target) if not missing else None
         except DeviceMapError as exc:
-            raise NotRestorableHere(str(exc)) from None
+            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from None
     if missing:
         raise NotRestorableHere(
             "GPU(s) not present on this node: " + ", ".join(missing)
             + ("" if record else " (the OCI hook did not see this container; "
-               "register it or set cudahook.io/device-map)"))
+               "register it or set cudahook.io/device-map)"), reason="GPU_MISSING")
     if mapping and not feats.device_map:
         raise NotRestorableHere(
             f"the restore moves GPUs ({', '.join(f'{a}={b}' for a, b in mapping.items())}) "
-            f"but cuda-checkpoint {feats.version} has no --device-map (driver R580 or newer)")
+            f"but cuda-checkpoint {feats.version} has no --device-map (driver R580 or newer)",
+            reason="DEVICE_MAP_UNSUPPORTED")
     if mapping:
         # The same chip with enough memory: the driver refuses anything else.
         recorded = data.get("gpu_models") if isinstance(data.get("gpu_models"), dict) else {}
@@ -83,5 +85,5 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         try:
             check_targets(mapping, models, now)
         except DeviceMapError as exc:
-            raise NotRestorableHere(str(exc)) from None
+            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from None
     return mapping

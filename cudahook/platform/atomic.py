@@ -21,7 +21,10 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600) -> None:
+def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600, *,
+                 durable: bool = True) -> None:
+    """`durable=False` skips the fsync, for data that is derived and cheap
+    to lose in a crash (the metrics): the rename stays atomic."""
     path = Path(path)
     # Unique per writer (threads of one process too), and cut to fit NAME_MAX.
     tmp = path.with_name(f".{path.name[:200]}.{os.urandom(6).hex()}.tmp")
@@ -32,7 +35,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600) -
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)

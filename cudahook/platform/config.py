@@ -58,6 +58,11 @@ class Settings(Record, frozen=True):
     # How long a checkpoint waits for the guardian of an earlier checkpoint
     # of the same container to finish bringing it back, before it refuses.
     guardian_wait_s: float = 60.0
+    # CRIU, as `cudahook check` finds it (the hooks never run it: CRIU runs them).
+    criu: str = "criu"
+    # Prometheus metrics for node_exporter's textfile collector; None: under
+    # the state directory. "" turns them off.
+    metrics_file: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

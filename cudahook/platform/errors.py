@@ -26,6 +26,13 @@ class CudahookError(Exception):
     """Base error: carries the exit code the CLI and hooks report."""
 
     exit_code: Exit = Exit.FAILED
+    # The code (platform/reasons.py) of a refusal, where the error is one.
+    reason: str | None = None
+
+    def __init__(self, *args: object, reason: str | None = None) -> None:
+        super().__init__(*args)
+        if reason is not None:
+            self.reason = reason
 
 
 class UsageError(CudahookError):

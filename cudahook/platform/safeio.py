@@ -141,6 +141,29 @@ def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], limit: i
     with_deadline(lambda: _copy(s, d, limit), timeout_s, s)
 
 
+def _sha256(path: str, limit: int) -> tuple[str, int]:
+    import hashlib
+
+    fd = open_regular(path, limit)
+    try:
+        h, total = hashlib.sha256(), 0
+        while chunk := os.read(fd, 1 << 20):
+            total += len(chunk)
+            if total > limit:
+                raise FileRefused(f"{path}: larger than {limit} bytes")
+            h.update(chunk)
+        return h.hexdigest(), total
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike[str], limit: int,
+                timeout_s: float = READ_TIMEOUT_S) -> tuple[str, int]:
+    """(sha256 hex digest, size) of the file, checked as read_bytes checks it."""
+    p = os.fspath(path)
+    return with_deadline(lambda: _sha256(p, limit), timeout_s, p)
+
+
 def parse_json(data: bytes, what: str) -> Any:
     """`data` as JSON, or FileRefused naming `what` and the reason."""
     try:

@@ -140,6 +140,11 @@ class SimLab:
         from .fakelib import install
 
         install(self.root)
+        # What an NVML user maps (see the workload's --nvml): a stand-in file.
+        nvml = self.root / "lib" / "libnvidia-ml.so.1"
+        nvml.parent.mkdir(parents=True, exist_ok=True)
+        if not nvml.exists():
+            nvml.write_bytes(b"\x7fELF" + bytes(4092))
         return self
 
     @property

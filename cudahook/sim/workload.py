@@ -112,19 +112,31 @@ def run_nvml(args: argparse.Namespace, rep: Reporter) -> None:
         rep.write(counter=n)
 
 
+def _map_nvml_library(socket_path: str) -> mmap.mmap | None:
+    path = os.path.join(os.path.dirname(socket_path), "lib", "libnvidia-ml.so.1")
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+
+
 def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
     size = args.mib << 20
     expected = hashlib.sha256(pattern(args.seed, size)).hexdigest()
     cuda = SimCuda(args.socket, resolve_gpu(args.socket, args.gpu), args.dev_dir, args.ctl_dir,
                    tag=args.tag)
     cuda.init()
-    nvml = []
+    nvml, nvml_lib = [], None
     if args.nvml:
         # nvmlInit opens the control node and each GPU's node itself, apart
         # from CUDA's context; the checkpoint only releases CUDA's.
         nvml = [os.open(os.path.join(args.dev_dir, n), os.O_RDWR | os.O_CLOEXEC)
                 for n in ("nvidiactl", f"nvidia{cuda.index}")
                 if os.path.exists(os.path.join(args.dev_dir, n))]
+        # And the library shows in its mappings, as libnvidia-ml.so.1 does
+        # in a process that called nvmlInit (the node's copy beside gpu.sock).
+        nvml_lib = _map_nvml_library(args.socket)
     cuda.alloc("data", size, seed=args.seed)
     cuda.alloc("counter", 8)
     vmm_expected = None
@@ -134,7 +146,8 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
         vmm_expected = hashlib.sha256(pattern(args.seed + 1000, size)).hexdigest()
         start_shim(cuda, args)
     rep.write(mode="cuda", state="running", counter=0, checks=0, intact=True,
-              gpu=cuda.gpu_uuid, mib=args.mib, restore_tid=cuda.restore_tid, nvml_fds=len(nvml))
+              gpu=cuda.gpu_uuid, mib=args.mib, restore_tid=cuda.restore_tid, nvml_fds=len(nvml),
+              nvml_mapped=nvml_lib is not None)
     last = 0
     step = 0
     restores = cuda.restores

@@ -40,6 +40,8 @@ MAX_STATE_BYTES = 1 << 30
 class VmmRefused(CudahookError):
     """The interposer is present where its state cannot all be saved."""
 
+    reason = "VMM_SOCKETS_INCOMPLETE"
+
 
 class CoordinatorFailed(CudahookError):
     pass
@@ -176,7 +178,8 @@ def run_coordinator(host: Host, coordinator: str, op: str, proc_root: str, direc
                     procs: Sequence[tuple[int, int]], timeout: float) -> str:
     """Run `--prepare` or `--restore`; its combined output, for the log."""
     if not os.access(coordinator, os.X_OK):
-        raise EnvironmentProblem(f"CUDA VMM coordinator not executable: {coordinator}")
+        raise EnvironmentProblem(f"CUDA VMM coordinator not executable: {coordinator}",
+                                 reason="VMM_COORDINATOR_MISSING")
     result = host.run([coordinator, *_args(op, proc_root, directory, procs)], timeout)
     output = (result.stdout + result.stderr).strip()
     if result.timed_out:

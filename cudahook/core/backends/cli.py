@@ -114,7 +114,8 @@ class CudaCheckpointCLI:
             if self._features is None:
                 if not os.access(self.path, os.X_OK):
                     raise EnvironmentProblem(
-                        f"cuda-checkpoint not usable at {self.path}: not an executable file")
+                        f"cuda-checkpoint not usable at {self.path}: not an executable file",
+                        reason="CHECKPOINT_TOOL_MISSING")
                 self._features = features_for(driver_version(self.host, self.settings))
             return self._features
 

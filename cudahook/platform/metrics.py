@@ -1,0 +1,250 @@
+"""Prometheus metrics in the text format, for node_exporter's textfile collector.
+
+Every hook run is its own short process, so the series live in a small JSON
+state file under the state directory; each update reads it under a lock,
+applies its changes, and rewrites both the state and the metrics file
+atomically (a scrape never sees half a file). Labels are the container id
+and the GPU model, plus the one dimension a series is about (outcome, phase,
+direction, reason: small fixed sets). A container not updated for
+`state_retention_s` is dropped, so the file stays bounded on a busy node.
+
+Writing metrics never fails an operation: `update` logs nothing and
+raises nothing; the caller's outcome stands either way. Only the slow
+paths call it: a container without a GPU never gets here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .atomic import write_atomic
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .config import Settings
+
+# name -> (type, help). The one list of what cudahook exports.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "cudahook_checkpoints_total": (
+        "counter", "Checkpoints by outcome (ok, refused, rolled_back, unsafe, failed)."),
+    "cudahook_restores_total": (
+        "counter", "Restores by outcome (ok, refused, failed)."),
+    "cudahook_rollbacks_total": (
+        "counter", "Failed checkpoints whose processes were rolled back onto their GPU."),
+    "cudahook_guardian_resumes_total": (
+        "counter", "Workloads the guardian brought back onto their GPU after a dump, by outcome."),
+    "cudahook_fail_closed_kills_total": (
+        "counter", "Containers killed because a restore could not finish (fail closed)."),
+    "cudahook_refusals_total": (
+        "counter", "Checkpoints and restores refused by a check, by side and reason code."),
+    "cudahook_gpu_memory_moved_bytes_total": (
+        "counter", "GPU memory moved between GPU and host, by direction."),
+    "cudahook_phase_duration_seconds": (
+        "summary", "Duration of each phase (lock, checkpoint, restore, unlock, toggle, "
+        "vmm_prepare, vmm_restore, criu_dump, criu_restore, total)."),
+    "cudahook_last_phase_duration_seconds": (
+        "gauge", "Duration of the phase in the container's last checkpoint or restore."),
+    "cudahook_last_transfer_gigabytes_per_second": (
+        "gauge", "GPU memory moved per second in the last checkpoint or restore, by direction."),
+    "cudahook_last_check_ok": (
+        "gauge", "1 when the container's last check said the operation can go ahead, else 0."),
+    "cudahook_last_event_timestamp_seconds": (
+        "gauge", "When cudahook last recorded anything about the container."),
+}
+
+DEFAULT_NAME = "metrics/cudahook.prom"
+STATE_NAME = "metrics/state.json"
+# The lock waits this long at most: metrics must never hold a hook up.
+LOCK_WAIT_S = 2.0
+
+
+def metrics_path(settings: Settings) -> Path | None:
+    """Where the metrics file goes; None when metrics are off."""
+    if settings.metrics_file == "":
+        return None
+    if settings.metrics_file:
+        return Path(settings.metrics_file)
+    return Path(settings.state_dir) / DEFAULT_NAME
+
+
+class Changes:
+    """What one event adds: counters, summary observations, gauges."""
+
+    def __init__(self, container: str, gpu_model: str | None = None):
+        self.container = container
+        self.gpu_model = gpu_model
+        self.ops: list[tuple[str, str, dict[str, str], float]] = []
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> Changes:
+        self.ops.append(("inc", name, labels, float(value)))
+        return self
+
+    def observe(self, name: str, value: float, **labels: str) -> Changes:
+        self.ops.append(("observe", name, labels, float(value)))
+        return self
+
+    def set(self, name: str, value: float, **labels: str) -> Changes:
+        self.ops.append(("set", name, labels, float(value)))
+        return self
+
+
+def update(settings: Settings, changes: Changes, *, now: float | None = None) -> bool:
+    """Apply `changes` and rewrite the metrics file; False (and nothing
+    raised) when that could not be done."""
+    target = metrics_path(settings)
+    if target is None:
+        return False
+    try:
+        return _update(settings, target, changes, time.time() if now is None else now)
+    except Exception:  # metrics never fail an operation
+        return False
+
+
+def _update(settings: Settings, target: Path, changes: Changes, now: float) -> bool:
+    from .privdir import ensure_private_dir
+    from .store import lock_file, read_json
+
+    state_path = Path(settings.state_dir) / STATE_NAME
+    ensure_private_dir(state_path.parent)
+    fd = lock_file(state_path.with_suffix(".lock"), timeout_s=LOCK_WAIT_S)
+    try:
+        state = _valid(read_json(state_path))
+        containers: dict[str, dict[str, Any]] = state["containers"]
+        info = containers.setdefault(changes.container, {})
+        if changes.gpu_model:
+            info["gpu_model"] = changes.gpu_model
+        info["seen"] = now
+        base = {"container": changes.container, "gpu_model": info.get("gpu_model") or "unknown"}
+        series: list[list[Any]] = state["series"]
+        index = {_key(e[0], e[1], e[2]): e for e in series}
+
+        def add(name: str, part: str, labels: dict[str, str], value: float, op: str) -> None:
+            key = _key(name, part, labels)
+            entry = index.get(key)
+            if entry is None:
+                entry = index[key] = [name, part, labels, 0.0]
+                series.append(entry)
+            entry[3] = value if op == "set" else entry[3] + value
+
+        for op, name, labels, value in changes.ops:
+            full = {**base, **labels}
+            if op == "observe":
+                add(name, "sum", full, value, "inc")
+                add(name, "count", full, 1.0, "inc")
+            else:
+                add(name, "", full, value, op)
+        add("cudahook_last_event_timestamp_seconds", "", base, now, "set")
+        _prune(state, now - settings.state_retention_s)
+        # Derived data, rewritten at every event: compact, and not fsynced (a
+        # crash loses at most the last events; a damaged state starts over,
+        # which Prometheus reads as a counter reset).
+        write_atomic(state_path, json.dumps(state, separators=(",", ":")).encode(),
+                     durable=False)
+        if target.parent != state_path.parent:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        # Readable by node_exporter, which need not run as root.
+        write_atomic(target, render(state["series"]).encode(), mode=0o644, durable=False)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _valid(data: Any) -> dict[str, Any]:
+    """The state as `_update` writes it; entries of any other shape dropped."""
+    if not isinstance(data, dict):
+        return {"containers": {}, "series": []}
+    containers = data.get("containers")
+    containers = {str(k): v for k, v in containers.items() if isinstance(v, dict)} if isinstance(
+        containers, dict) else {}
+    series = [e for e in (data.get("series") if isinstance(data.get("series"), list) else [])
+              if isinstance(e, list) and len(e) == 4 and e[0] in FAMILIES
+              and isinstance(e[1], str) and isinstance(e[2], dict)
+              and all(isinstance(k, str) and isinstance(v, str) for k, v in e[2].items())
+              and isinstance(e[3], (int, float)) and not isinstance(e[3], bool)]
+    return {"containers": containers, "series": series}
+
+
+def _key(name: str, part: str, labels: dict[str, str]) -> tuple[Any, ...]:
+    return (name, part, tuple(sorted(labels.items())))
+
+
+def _prune(state: dict[str, Any], cutoff: float) -> None:
+    """Drop the series of containers not seen since `cutoff`."""
+    gone = {c for c, info in state["containers"].items()
+            if not isinstance(info.get("seen"), (int, float)) or info["seen"] < cutoff}
+    for c in gone:
+        del state["containers"][c]
+    state["series"] = [e for e in state["series"]
+                       if e[2].get("container") not in gone
+                       and e[2].get("container") in state["containers"]]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(v: float) -> str:
+    return repr(int(v)) if float(v).is_integer() and abs(v) < 1 << 53 else repr(float(v))
+
+
+def render(series: list[list[Any]]) -> str:
+    """The text exposition format (version 0.0.4) of every series, grouped by family."""
+    by_family: dict[str, list[tuple[str, dict[str, str], float]]] = {}
+    for name, part, labels, value in series:
+        sample = f"{name}_{part}" if part else name
+        by_family.setdefault(name, []).append((sample, labels, value))
+    lines = []
+    for name in sorted(by_family):
+        kind, text = FAMILIES[name]
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+        for sample, labels, value in sorted(by_family[name],
+                                            key=lambda s: (sorted(s[1].items()), s[0])):
+            body = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
+            lines.append(f"{sample}{{{body}}} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def read_state(settings: Settings) -> dict[str, Any]:
+    """The series as `cudahook status --json` shows them."""
+    from .store import read_json
+
+    try:
+        return _valid(read_json(Path(settings.state_dir) / STATE_NAME))
+    except Exception:
+        return _valid(None)
+
+
+def per_container(settings: Settings) -> dict[str, dict[str, Any]]:
+    """container -> {"gpu_model", "series": {sample{labels}: value}} for status."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, part, labels, value in read_state(settings)["series"]:
+        labels = dict(labels)
+        cid = labels.pop("container", "")
+        model = labels.pop("gpu_model", "")
+        entry = out.setdefault(cid, {"gpu_model": model, "series": {}})
+        extra = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        sample = (f"{name}_{part}" if part else name) + (f"{{{extra}}}" if extra else "")
+        entry["series"][sample] = value
+    return out
+
+
+def phases(timeline: dict[str, Any] | None) -> dict[str, float]:
+    """Each step kind's wall time in a timeline (first start to last end,
+    across processes: they run in parallel)."""
+    spans: dict[str, tuple[float, float]] = {}
+    for s in (timeline or {}).get("steps") or []:
+        try:
+            name, start, end = str(s["step"]), float(s["start"]), float(s["end"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if name in ("get-state", "verify"):
+            continue
+        lo, hi = spans.get(name, (start, end))
+        spans[name] = (min(lo, start), max(hi, end))
+    return {name.replace("-", "_"): hi - lo for name, (lo, hi) in spans.items()}

@@ -1,0 +1,417 @@
+"""`cudahook check` against a simulated node: every reason code, triggered
+by the real cause (a process stopped, locked, checkpointed, in the driver's
+failed state, an NVML monitor, a memory limit, a full file system, an image
+from another driver...), and the same decisions in the hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cudahook.core import manifest
+from cudahook.platform import reasons
+from cudahook.platform.store import Store
+
+from .conftest import Node, requires_root
+
+HERE = Path(__file__)
+_configs = itertools.count()
+
+
+def config(node: Node, **over: Any) -> Path:
+    path = node.lab.root / f"config-{next(_configs)}.yaml"
+    over.setdefault("criu", os.environ.get("CUDAHOOK_CRIU", "criu"))
+    settings = node.settings(**over)
+    path.write_text(yaml.safe_dump(dict(settings.__dict__)))
+    return path
+
+
+def check(cfg: Path, *args: str, env: dict[str, str] | None = None
+          ) -> tuple[int, dict[str, Any], str]:
+    r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(cfg), "--json",
+                        "check", *args], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **(env or {})})
+    assert r.returncode in (0, 1, 2, 6), r.stderr
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else {}), r.stderr
+
+
+def expect(cfg: Path, args: list[str], code: str, rc: int = 1,
+           env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`cudahook check ARGS` reports `code` and exits `rc`."""
+    got, verdict, err = check(cfg, *args, env=env)
+    codes = [p["code"] for p in verdict.get("problems", [])]
+    assert code in codes and got == rc, (got, verdict.get("problems"), err)
+    p = next(p for p in verdict["problems"] if p["code"] == code)
+    assert p["hint"] == reasons.get(code).hint and p["explanation"]
+    return verdict
+
+
+def ok(cfg: Path, *args: str) -> dict[str, Any]:
+    got, verdict, err = check(cfg, *args)
+    assert got == 0 and verdict["ok"], (verdict, err)
+    return verdict
+
+
+def test_every_reason_code_is_triggered_by_a_test() -> None:
+    """Each code of platform/reasons.py is named in an `expect` or a hook
+    test below (a code no test can trigger is one no node will show)."""
+    text = HERE.read_text() + (HERE.parent / "e2e" / "test_check_e2e.py").read_text()
+    tested = set(re.findall(r'"([A-Z][A-Z_]+[A-Z])"', text))
+    assert set(reasons.REASONS) - tested == set()
+
+
+def test_reason_codes_are_defined_once_with_text_and_hint() -> None:
+    for code, r in reasons.REASONS.items():
+        assert re.fullmatch(r"[A-Z][A-Z_]+", code) and r.code == code
+        assert r.text and r.hint and "\n" not in r.text + r.hint
+        assert r.side in ("checkpoint", "restore", "both")
+
+
+# -- checkpoint side ---------------------------------------------------------------------
+
+
+def test_a_healthy_container_can_be_checkpointed(node: Node, tmp_path: Path) -> None:
+    init = node.spawn_tree(("a", {"mib": 8}), ("b", {"mib": 4}))
+    pids = sorted(node.lab.wait_counter(t)["pid"] for t in ("a", "b"))
+    cfg = config(node)
+    before = {t: node.lab.status(t)["counter"] for t in ("a", "b")}
+    v = ok(cfg, "--init-pid", str(init.pid), "--image-dir", str(tmp_path))
+    assert v["facts"]["cuda_processes"] == pids
+    assert v["facts"]["states"] == {str(p): "running" for p in pids}
+    assert v["facts"]["gpu_memory_bytes"] == 12 << 20
+    assert v["facts"]["image_expected_bytes"] > 12 << 20
+    assert "host memory" in v["checked"] and "image space" in v["checked"]
+    # Never touched: both keep computing, memory intact.
+    for t in ("a", "b"):
+        st = node.lab.wait_counter(t, before[t] + 3)
+        assert st["intact"] and not st["errors"]
+    r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(cfg), "check",
+                        "--init-pid", str(init.pid)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "the checkpoint can go ahead" in r.stdout, r.stdout + r.stderr
+
+
+def test_process_states_that_refuse(node: Node) -> None:
+    init = node.spawn_tree(("a", {"mib": 1}), ("b", {"mib": 1}), ("c", {"mib": 1}))
+    a, b, c = (node.lab.wait_counter(t)["pid"] for t in ("a", "b", "c"))
+    cfg = config(node)
+    engine = node.engine()
+    engine.backend.lock(a, 1000)  # as an abandoned checkpoint leaves it
+    engine.checkpoint([b])
+    node.lab.force_state(c, "failed")
+    v = expect(cfg, ["--init-pid", str(init.pid)], "PROCESS_LOCKED")
+    codes = {p["code"]: p["detail"] for p in v["problems"]}
+    assert codes["PROCESS_LOCKED"] == f"pid {a} is locked"
+    # Found although it holds no device file any more: a dump would take it off its GPU.
+    assert codes["PROCESS_CHECKPOINTED"] == f"pid {b} is checkpointed"
+    assert codes["PROCESS_FAILED"] == f"pid {c} is failed"
+    expect(cfg, ["--pid", str(b)], "PROCESS_CHECKPOINTED")
+    node.lab.force_state(c, "checkpointing")
+    expect(cfg, ["--pid", str(c)], "PROCESS_BUSY")
+    # Nothing moved: the states are what they were.
+    assert [engine.read_state(p) for p in (a, b)] == ["locked", "checkpointed"]
+    engine.backend.unlock(a)
+    engine.restore([b])
+    node.lab.force_state(c, "running")
+    ok(cfg, "--init-pid", str(init.pid))
+
+
+def test_stopped_unreadable_and_nvml(node: Node) -> None:
+    init = node.spawn_tree(("a", {"mib": 1}), ("n", {"nvml_only": True}))
+    a = node.lab.wait_counter("a")["pid"]
+    mon = node.lab.wait_counter("n")["pid"]
+    cfg = config(node)
+    v = expect(cfg, ["--init-pid", str(init.pid)], "NVML_FDS")
+    assert f"pid {mon} (not a CUDA process, e.g. NVML) holds" in v["problems"][0]["detail"]
+    os.kill(a, signal.SIGSTOP)
+    try:
+        expect(cfg, ["--pid", str(a)], "PROCESS_STOPPED")  # answered, no probe hung on it
+    finally:
+        os.kill(a, signal.SIGCONT)
+    # A CUDA process that also uses NVML (as NCCL does): its NVML handles can
+    # only be told from CUDA's own device files after the CUDA checkpoint
+    # (pre-dump then puts it back and refuses, NVML_FDS): a warning here.
+    node.spawn_tree(("b", {"mib": 1, "nvml": True}))
+    st = node.lab.wait_counter("b")
+    assert st["nvml_mapped"] and st["nvml_fds"] == 2
+    got, v, _ = check(cfg, "--pid", str(st["pid"]))
+    assert got == 0 and any("NVML_FDS" in w and "libnvidia-ml" in w for w in v["warnings"]), v
+    plain = subprocess.Popen(["sleep", "60"])
+    try:
+        v = expect(cfg, ["--pid", str(plain.pid)], "PROCESS_UNREADABLE")
+        assert "initialization error" in v["problems"][0]["detail"]
+    finally:
+        plain.kill()
+        plain.wait()
+
+
+def test_driver_tool_and_gpu_query(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(gpu_specs=[{"persistence_mode": "Disabled"}])
+    init = node.spawn_tree(("a", {"mib": 1}),)
+    a = node.lab.wait_counter("a")["pid"]
+    v = expect(config(node), ["--init-pid", str(init.pid)], "PERSISTENCE_OFF")
+    assert v["problems"][0]["detail"] == "disabled on GPU 0"
+    expect(config(node, backend="cli", cuda_checkpoint="/nonexistent/cuda-checkpoint"),
+           ["--pid", str(a)], "CHECKPOINT_TOOL_MISSING")
+    expect(config(node, nvidia_smi="/bin/false"), ["--pid", str(a)], "GPU_QUERY_FAILED")
+    # A --launch-job job on a driver that cannot drive one.
+    job = node.lab.root / "job"
+    job.write_text("")
+    env = {**node.lab.workload_env(), "CUDA_CHECKPOINT_JOB_FILE": str(job)}
+    p = subprocess.Popen(node.lab.workload_argv("j", mib=1), env=env, start_new_session=True)
+    node.procs.append(p)
+    j = node.lab.wait_counter("j")["pid"]
+    v = expect(config(node), ["--pid", str(j)], "DRIVER_TOO_OLD")
+    assert "R590+" in v["problems"][0]["detail"]
+    node.lab.set(driver=545)  # no checkpoint support at all
+    expect(config(node, backend="cli"), ["--pid", str(a)], "DRIVER_TOO_OLD")
+    node.lab.driver_version_file.unlink()
+    node.lab.stop()
+    expect(config(node), ["--pid", str(a)], "DRIVER_UNKNOWN")
+
+
+def test_criu_and_its_cuda_plugin(node: Node, tmp_path: Path) -> None:
+    init = node.spawn_tree(("a", {"mib": 1}),)
+    node.lab.wait_counter("a")
+    args = ["--init-pid", str(init.pid)]
+    expect(config(node, criu="/nonexistent/criu"), args, "CRIU_MISSING")
+    old = tmp_path / "criu"
+    old.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
+    old.chmod(0o755)
+    v = expect(config(node, criu=str(old)), args, "CRIU_TOO_OLD")
+    assert v["facts"]["criu_version"] == "3.17"
+    libs = tmp_path / "libs"
+    libs.mkdir()
+    (libs / "cuda_plugin.so").write_bytes(b"\x7fELF")
+    v = expect(config(node), args, "CRIU_CUDA_PLUGIN", env={"CRIU_LIBS_DIR": str(libs)})
+    assert "would checkpoint the same processes" in v["problems"][0]["detail"]
+
+
+@contextlib.contextmanager
+def memory_cgroup(pids: list[int], limit: int) -> Iterator[Path]:
+    """A memory cgroup (v2, else v1) limited to `limit` bytes, holding `pids`."""
+    name = f"cudahook-test-{os.getpid()}-{time.monotonic_ns()}"
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    if v2.exists() and "memory" in v2.read_text().split():
+        where, limit_file = Path("/sys/fs/cgroup") / name, "memory.max"
+        with contextlib.suppress(OSError):
+            Path("/sys/fs/cgroup/cgroup.subtree_control").write_text("+memory")
+    elif Path("/sys/fs/cgroup/memory/cgroup.procs").exists():
+        where, limit_file = Path("/sys/fs/cgroup/memory") / name, "memory.limit_in_bytes"
+    else:
+        pytest.skip("no memory cgroup controller")
+    try:
+        where.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup: {exc}")
+    try:
+        for pid in pids:
+            (where / "cgroup.procs").write_text(str(pid))
+        (where / limit_file).write_text(str(limit))
+        yield where
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                where.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+@requires_root
+def test_host_memory_against_the_memory_limit(node: Node) -> None:
+    """A checkpoint copies GPU memory into the process: a container whose
+    memory limit cannot take it would be OOM-killed mid-checkpoint."""
+    p = node.spawn("m", mib=96)
+    st = node.lab.wait_counter("m")
+    rss = int(Path(f"/proc/{st['pid']}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    cfg = config(node)
+    with memory_cgroup([p.pid], rss + (24 << 20)):
+        v = expect(cfg, ["--pid", str(st["pid"])], "HOST_MEMORY")
+        assert "96 MiB" in v["problems"][0]["detail"] and "memory limit" in v["problems"][0]["detail"]
+        assert node.lab.status("m")["counter"] > 0
+
+
+@requires_root
+def test_image_space(node: Node, tmp_path: Path) -> None:
+    init = node.spawn_tree(("a", {"mib": 16}),)
+    node.lab.wait_counter("a")
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)]).returncode:
+        pytest.skip("cannot mount a tmpfs")
+    try:
+        v = expect(config(node), ["--init-pid", str(init.pid), "--image-dir", str(small)],
+                   "IMAGE_SPACE")
+        assert v["facts"]["image_free_bytes"] <= 4 << 20 < v["facts"]["image_expected_bytes"]
+        ok(config(node), "--init-pid", str(init.pid), "--image-dir", str(tmp_path))
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+def test_bad_targets_are_usage_errors(node: Node, tmp_path: Path) -> None:
+    cfg = config(node)
+    for args, text in ((["--container", "nope"], "not a running GPU container"),
+                       (["--pid", "999999999"], "no process"),
+                       (["--image", str(tmp_path / "none")], "not a directory"),
+                       (["--pid", "1", "--bundle", str(tmp_path)], "go with --image"),
+                       (["--image", str(tmp_path), "--image-dir", str(tmp_path)], "--image-dir")):
+        got, _, err = check(cfg, *args)
+        assert got == 2 and err.count("\n") == 1 and text in err, (args, err)
+
+
+def test_container_check_is_remembered_for_status(node: Node) -> None:
+    init = node.spawn_tree(("a", {"mib": 1}),)
+    a = node.lab.wait_counter("a")["pid"]
+    settings = node.settings()
+    Store(settings.state_dir).update("job-1", pid=init.pid, pid_start=None,
+                                     visible=[node.lab.uuids[0]])
+    cfg = config(node)
+    ok(cfg, "--container", "job-1")
+    os.kill(a, signal.SIGSTOP)
+    try:
+        expect(cfg, ["--container", "job-1"], "PROCESS_STOPPED")
+    finally:
+        os.kill(a, signal.SIGCONT)
+    r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(cfg), "status",
+                        "--no-live"], capture_output=True, text=True, timeout=60)
+    assert "last check (checkpoint):" in r.stdout and "REFUSED PROCESS_STOPPED" in r.stdout
+    data = json.loads(subprocess.run(
+        [sys.executable, "-m", "cudahook", "--config", str(cfg), "--json", "status", "--no-live"],
+        capture_output=True, text=True, timeout=60).stdout)
+    job = next(c for c in data["containers"] if c["id"] == "job-1")
+    assert job["last"]["check"]["codes"] == ["PROCESS_STOPPED"]
+    assert job["metrics"]["series"]["cudahook_last_check_ok{side=checkpoint}"] == 0
+
+
+# -- restore side ------------------------------------------------------------------------
+
+
+def image(tmp: Path, node: Node, name: str = "img", **data: Any) -> Path:
+    d = tmp / name
+    d.mkdir(exist_ok=True)
+    base = {"container_id": "c", "driver_version": node.lab.config["driver_version"],
+            "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}],
+            "gpu_models": {u: {"name": "NVIDIA H100 80GB HBM3 (simulated)", "memory_mib": 81559}
+                           for u in node.lab.uuids}}
+    manifest.write(d, {**base, **data})
+    return d
+
+
+def test_restore_checks_and_exit_codes(node: Node, tmp_path: Path) -> None:
+    cfg = config(node)
+    img = image(tmp_path, node)
+    v = ok(cfg, "--image", str(img))
+    assert v["facts"]["device_map"] is None and v["facts"]["manifest"] is True
+    v = ok(cfg, "--image", str(img), "--visible-gpus", node.lab.uuids[1])
+    assert v["facts"]["device_map"] == {node.lab.uuids[0]: node.lab.uuids[1]}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no cudahook manifest" in subprocess.run(
+        [sys.executable, "-m", "cudahook", "--config", str(cfg), "check", "--image", str(empty)],
+        capture_output=True, text=True, timeout=60).stdout
+    expect(cfg, ["--image", str(img), "--visible-gpus", "GPU-00000000-0000-0000-0000-00000000dead"],
+           "GPU_MISSING", rc=6)
+    two = image(tmp_path, node, "two", gpus=node.lab.uuids)
+    expect(cfg, ["--image", str(two), "--visible-gpus", node.lab.uuids[0]], "GPU_MISMATCH", rc=6)
+    expect(cfg, ["--image", str(image(tmp_path, node, "nodrv", driver_version=""))],
+           "MANIFEST_NO_DRIVER", rc=1)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / manifest.NAME).write_text('{"version": 99, "processes": []}')
+    v = expect(cfg, ["--image", str(bad)], "MANIFEST_UNREADABLE", rc=6)
+    assert "version 99" in v["problems"][0]["detail"]
+    # The device map of the bundle's annotation must name every GPU.
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps({
+        "ociVersion": "1.0.2", "process": {"env": ["NVIDIA_VISIBLE_DEVICES=all"]},
+        "annotations": {"cudahook.io/device-map": f"{node.lab.uuids[1]}={node.lab.uuids[0]}"}}))
+    expect(cfg, ["--image", str(img), "--bundle", str(bundle)], "DEVICE_MAP_INVALID", rc=1)
+
+
+def test_restore_side_driver_and_gpus(make_node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=570, gpu_specs=[{}, {"name": "NVIDIA A100 (simulated)",
+                                                 "persistence_mode": "Disabled"}])
+    cfg = config(node)
+    img = image(tmp_path, node)
+    expect(cfg, ["--image", str(img), "--visible-gpus", node.lab.uuids[1]],
+           "DEVICE_MAP_UNSUPPORTED", rc=6)
+    on1 = image(tmp_path, node, "on1", gpus=node.lab.uuids[1:])
+    expect(cfg, ["--image", str(on1)], "PERSISTENCE_OFF", rc=1)
+    node.lab.set(driver=580)
+    v = expect(config(node), ["--image", str(img)], "DRIVER_BRANCH", rc=6)
+    assert "570" in v["problems"][0]["detail"]
+    new = image(tmp_path, node, "new")
+    v = expect(config(node), ["--image", str(new), "--visible-gpus", node.lab.uuids[1]],
+               "GPU_MISMATCH", rc=6)
+    assert "A100" in v["problems"][0]["detail"]
+    node.lab.set(driver=545)
+    expect(config(node, backend="cli"), ["--image", str(image(tmp_path, node, "old"))],
+           "DRIVER_TOO_OLD", rc=1)
+
+
+def test_restore_side_image_integrity_and_vmm(node: Node, tmp_path: Path) -> None:
+    from cudahook.vmm.coordinator import STATE_FILE
+
+    d = tmp_path / "vimg"
+    d.mkdir()
+    (d / STATE_FILE).write_bytes(b"vmm state " * 100)
+    manifest.write(d, {"container_id": "c", "driver_version": node.lab.config["driver_version"],
+                       "gpus": node.lab.uuids[:1], "vmm": True,
+                       "processes": [{"nspid": 7, "pid": 7}]}, files=[STATE_FILE])
+    data = manifest.read(d)
+    assert data is not None and len(data["files"][STATE_FILE]["sha256"]) == 64
+    cfg = config(node)
+    ok(cfg, "--image", str(d))
+    expect(config(node, vmm_coordinator="/nonexistent/coordinator"), ["--image", str(d)],
+           "VMM_COORDINATOR_MISSING", rc=1)
+    (d / STATE_FILE).write_bytes(b"VMM state " * 100)  # same size, other bytes
+    expect(cfg, ["--image", str(d)], "IMAGE_CHECKSUM", rc=6)
+    (d / STATE_FILE).unlink()
+    v = expect(cfg, ["--image", str(d)], "IMAGE_FILE_MISSING", rc=6)
+    assert f"{STATE_FILE}: missing" in v["problems"][0]["detail"]
+    # A manifest of before checksums (no "files") is still read and checked.
+    old = image(tmp_path, node, "old")
+    assert "files" not in (manifest.read(old) or {})
+    ok(cfg, "--image", str(old))
+
+
+def test_never_here_verdict_is_remembered_and_answered_without_asking_the_driver(
+        node: Node, tmp_path: Path) -> None:
+    calls = node.lab.root / "smi-calls.log"
+    smi = node.lab.root / "logged-nvidia-smi"
+    smi.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {node.lab.nvidia_smi} "$@"\n')
+    smi.chmod(0o755)
+    cfg = config(node, nvidia_smi=str(smi))
+    img = image(tmp_path, node)
+    gone = "GPU-00000000-0000-0000-0000-00000000dead"
+    v = expect(cfg, ["--image", str(img), "--visible-gpus", gone], "GPU_MISSING", rc=6)
+    assert v["cached"] is False and calls.exists()
+    before = calls.read_text()
+    v = expect(cfg, ["--image", str(img), "--visible-gpus", gone], "GPU_MISSING", rc=6)
+    assert v["cached"] is True and calls.read_text() == before  # no nvidia-smi call
+    # Another target, another image or --fresh: checked again.
+    v = expect(cfg, ["--image", str(img), "--visible-gpus", gone, "--fresh"], "GPU_MISSING", rc=6)
+    assert v["cached"] is False and calls.read_text() != before
+    ok(cfg, "--image", str(img), "--visible-gpus", node.lab.uuids[1])
+    # A refusal that can change (a fixable cause) is never remembered.
+    nodrv = image(tmp_path, node, "nodrv", driver_version="")
+    for _ in range(2):
+        assert expect(cfg, ["--image", str(nodrv)], "MANIFEST_NO_DRIVER")["cached"] is False
