@@ -90,13 +90,15 @@ def vmm_dir(run_path: Path) -> Path:
     return run_path.with_suffix(VMM_SUFFIX)
 
 
-def _marker(state_dir: str, cid: str) -> Path:
+def _marker(state_dir: str, cid: str, *, create: bool = True) -> Path:
     from pathlib import Path
 
     from cudahook.platform.privdir import ensure_private_dir
     from cudahook.platform.store import check_id
 
-    d = ensure_private_dir(ensure_private_dir(Path(state_dir)) / "guardians")
+    d = Path(state_dir) / "guardians"
+    if create:
+        d = ensure_private_dir(ensure_private_dir(Path(state_dir)) / "guardians")
     return d / f"{check_id(cid)}.json"
 
 
@@ -107,13 +109,20 @@ def pending(ctx: Any, cid: str | None) -> tuple[int, int] | None:
         return None
     from cudahook.platform.store import read_json
 
-    data = read_json(_marker(ctx.settings.state_dir, cid))
+    path = _marker(ctx.settings.state_dir, cid, create=False)  # reading makes nothing
+    data = read_json(path)
     if not isinstance(data, dict):
         return None
     pid, start = data.get("pid"), data.get("start")
     if type(pid) is not int or type(start) is not int or pid <= 0:
         return None
-    return (pid, start) if _alive(ctx.host, pid, start) else None
+    if _alive(ctx.host, pid, start):
+        return pid, start
+    # A guardian killed before it could remove its marker: the state
+    # directory is RAM, so the marker goes now.
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return None
 
 
 @contextlib.contextmanager
