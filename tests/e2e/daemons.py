@@ -761,6 +761,23 @@ class Dockerd(_Daemon):
             raise DaemonError(f"docker {' '.join(args)} failed ({res.returncode}): {msg}\n{self.log_tail()}")
         return res
 
+    def start_checkpoint(self, cid: str, checkpoint: str, timeout: float = 120
+                         ) -> subprocess.CompletedProcess[str]:
+        """``docker start --checkpoint``. dockerd 20.10 copies the checkpoint
+        into containerd's content store first, and that copy now and then
+        fails "commit failed: content sha256:...: already exists" while an
+        earlier copy of the same bytes is being collected (moby/moby#42900),
+        before runc or CRIU are even called: that one failure is retried."""
+        args = ("start", "--checkpoint", checkpoint, cid)
+        res = self.docker(*args, check=False, timeout=timeout)
+        if res.returncode != 0 and "already exists" in res.stderr and "commit failed" in res.stderr:
+            time.sleep(0.5)
+            res = self.docker(*args, check=False, timeout=timeout)
+        if res.returncode != 0:
+            msg = res.stderr.strip() or res.stdout.strip()
+            raise DaemonError(f"docker {' '.join(args)} failed ({res.returncode}): {msg}\n{self.log_tail()}")
+        return res
+
     def load_image(self, tarball: Path | str) -> str:
         """``docker load`` a docker-save archive; return the loaded name."""
         res = self.docker("load", "-i", str(tarball), timeout=120)

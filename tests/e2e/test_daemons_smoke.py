@@ -233,7 +233,7 @@ def test_docker_checkpoint_restore_via_runtime(
     assert (images / "cp-stop" / "inventory.img").is_file()
 
     # 3. restore the stopped checkpoint: continues from `frozen`.
-    d.docker("start", "--checkpoint", "cp-stop", cid, timeout=120)
+    d.start_checkpoint(cid, "cp-stop")
     new_pid = d.pid(cid)
     assert new_pid != pid
     first = moves(data_dir, frozen, "restored counter to move")
@@ -246,7 +246,7 @@ def test_docker_checkpoint_restore_via_runtime(
     d.docker("kill", cid)
     wait_for(lambda: not d.inspect(cid)["State"]["Running"], what="container to stop")
     last = counter(data_dir)
-    d.docker("start", "--checkpoint", "cp-live", cid, timeout=120)
+    d.start_checkpoint(cid, "cp-live")
     first = wait_for(lambda: (v := counter(data_dir)) != last and v, timeout=5, what="restored write")
     assert before1 <= first <= after1 + 1, f"restored at {first}, expected {before1}..{after1 + 1}"
     moves(data_dir, first, "counter to move after the second restore")

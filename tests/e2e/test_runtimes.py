@@ -503,7 +503,7 @@ def test_docker_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) 
 
         # 3. start from cp2: the counters continue from the frozen values.
         with node.resumed(tags) as reports:
-            d.docker("start", "--checkpoint", "cp2", cid, timeout=120)
+            d.start_checkpoint(cid, "cp2")
             first = reports.assert_from(frozen, frozen)
         new_pid = d.pid(cid)
         assert new_pid != pid
@@ -552,7 +552,7 @@ def test_docker_recipe_moves_a_checkpoint_onto_other_gpus(node: Node, image: Pat
         dst = d.docker("create", *create(*env_b), name, *spec.cmd).stdout.strip()
         shutil.copytree(copied / "move", d.data_root / "containers" / dst / "checkpoints" / "move")
         with node.resumed(tags) as reports:
-            d.docker("start", "--checkpoint", "move", dst, timeout=120)
+            d.start_checkpoint(dst, "move")
             first = reports.assert_from(frozen, frozen)
         node.wait_running(tags, first)
         assert {node.lab.status(t)["gpu"] for t in tags} == {b}
