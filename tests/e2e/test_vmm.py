@@ -201,12 +201,15 @@ def test_containers_sharing_a_control_dir_with_colliding_pids(make_env, tmp_path
     shared = tmp_path / "shared"
     shared.mkdir()
     cids, tags = [], []
-    for name, tag in (("b1", "x"), ("b2", "y")):
+    for name, base in (("b1", "x"), ("b2", "y")):
         # The namespace PID a workload gets depends on what else the
         # container's init started first, which a loaded machine can reorder:
         # start the second container again until its PID collides with the
         # first's, the case this test is about.
-        for _ in range(8):
+        # Each attempt has a tag of its own, so no status a killed attempt
+        # wrote last can be read for the next one.
+        for attempt in range(8):
+            tag = f"{base}{attempt}"
             bundle = env.box.bundle(name, [(tag, {"mib": 1, "vmm": True})],
                                     snapshot_control=shared, others=[])
             cid = env.cid()
@@ -215,19 +218,18 @@ def test_containers_sharing_a_control_dir_with_colliding_pids(make_env, tmp_path
             if not tags or env.lab.status(tag)["pid"] == env.lab.status(tags[0])["pid"]:
                 break
             env.box.delete(cid)
-            (env.lab.status_dir / f"{tag}.json").unlink()  # the next one's status only
         cids.append(cid)
         tags.append(tag)
     nspids = {env.lab.status(t)["pid"] for t in tags}
     assert len(nspids) == 1  # the collision this test is about
-    _refused(env, tmp_path, cids[0], ["x"], "interposer loaded")
+    _refused(env, tmp_path, cids[0], tags[:1], "interposer loaded")
     assert env.lab.vmm_calls() == []
     image = tmp_path / "img2"
     assert env.box.checkpoint(cids[1], image).returncode == 0
     assert manifest.read(image)["vmm"] is True
     # b1 is untouched by b2's checkpoint and poststop.
     assert (shared / f"cuda-vmm-{nspids.pop()}.sock").exists() is False
-    env.wait_running(["x"], env.counters(["x"]))
+    env.wait_running(tags[:1], env.counters(tags[:1]))
 
 
 def test_coordinator_failure_at_prepare_rolls_back(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
