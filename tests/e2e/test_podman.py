@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from cudahook.admin.journal import Journal
 from cudahook.core import manifest
@@ -37,18 +36,13 @@ from .conftest import needs_runc, private_node, tree_digest
 from .outcomes import process_tree
 from .podman import PODMAN, Podman
 from .test_runtimes import (
-    CONFIG,
-    JOURNAL,
     OTHERS,
-    REPO,
     WORKLOADS,
     Node,
     comms_in_pidns,
-    missing_dirs,
-    put_back,
+    installed_node,
     python_rootfs,
     sh,
-    snapshot,
     workload_cmd,
 )
 
@@ -68,32 +62,8 @@ HOOKS_D = Path("/usr/share/containers/oci/hooks.d")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """cudahook installed by install.sh with podman registered (hooks.d and
     /etc/criu/runc.conf), its configuration pointing at a simulated GPU node."""
-    if Journal.all("/"):
-        pytest.skip("cudahook is installed here")
-    snap, absent = snapshot(), missing_dirs()
-    tmp = tmp_path_factory.mktemp("podman")
-    prefix = tmp / "opt"
-    lab: SimLab | None = None
-    installed: bytes | None = None
-    try:
-        r = sh(str(REPO / "install.sh"), "--prefix", str(prefix), "--runtime", "podman")
-        assert r.returncode == 0, r.stdout + r.stderr
-        installed = CONFIG.read_bytes()
-        lab = SimLab(tmp / "node")
-        lab.start()
-        CONFIG.write_text(yaml.safe_dump(dict(lab.settings().__dict__)))
-        yield Node(prefix, lab, tmp)
-    finally:
-        try:
-            if lab is not None:
-                lab.stop()
-            if installed is not None:
-                CONFIG.write_bytes(installed)  # the journal's after_sha must match
-            if prefix.exists() or JOURNAL.exists():
-                sh(str(REPO / "install.sh"), "--prefix", str(prefix), "--uninstall")
-        finally:
-            put_back(snap, absent)
-            shutil.rmtree(prefix, ignore_errors=True)
+    with installed_node(tmp_path_factory.mktemp("podman"), "podman") as n:
+        yield n
 
 
 @pytest.fixture(scope="module")

@@ -255,20 +255,20 @@ class FirstReports:
         return self.first
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    """cudahook installed by install.sh (containerd and docker registered), its
-    configuration pointing at a simulated GPU node; all undone afterwards."""
+@contextlib.contextmanager
+def installed_node(tmp: Path, *runtimes: str) -> Iterator[Node]:
+    """cudahook installed by install.sh with `runtimes` registered, its
+    configuration pointing at a simulated GPU node in `tmp`; all undone
+    afterwards (uninstalled, and the node's files put back as they were)."""
     if Journal.all("/"):  # installed since collection (another test run?)
         pytest.skip("cudahook is installed here")
     snap, absent = snapshot(), missing_dirs()
-    tmp = tmp_path_factory.mktemp("runtimes")
     prefix = tmp / "opt"
     lab: SimLab | None = None
     installed: bytes | None = None
     try:
         r = sh(str(REPO / "install.sh"), "--prefix", str(prefix),
-               "--runtime", "containerd", "--runtime", "docker")
+               *(a for rt in runtimes for a in ("--runtime", rt)))
         assert r.returncode == 0, r.stdout + r.stderr
         installed = CONFIG.read_bytes()
         lab = SimLab(tmp / "node")
@@ -286,6 +286,13 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         finally:
             put_back(snap, absent)
             shutil.rmtree(prefix, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """containerd and docker registered."""
+    with installed_node(tmp_path_factory.mktemp("runtimes"), "containerd", "docker") as n:
+        yield n
 
 
 # -- a GPU container's image, mounts and environment -----------------------------
