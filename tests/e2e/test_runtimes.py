@@ -372,18 +372,25 @@ def assert_hooked(node: Node, cid: str, bundle: Path, pid: int) -> None:
 # -- containerd 1.6 + ctr ----------------------------------------------------------
 
 
+def run_gpu_task(node: Node, c: Containerd, image: Path, spec: GpuSpec, cid: str) -> tuple[int, Path]:
+    """Import the image, run `spec` as task `cid` through the wrapper, wait
+    for its workloads and check it was hooked: the task's PID and bundle."""
+    name = c.import_image(image)
+    extra = [a for e in spec.env for a in ("--env", e)]
+    pid = c.run(name, cid, *spec.cmd, mounts=spec.binds, extra=extra)
+    node.wait_running(spec.tags, steps=3)
+    bundle = c.state / "io.containerd.runtime.v2.task" / c.namespace / cid
+    assert_hooked(node, cid, bundle, pid)
+    return pid, bundle
+
+
 def test_containerd_ctr_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) -> None:
     shim_path = node.libexec / "runc-path"
     assert os.readlink(shim_path / "runc") == str(node.libexec / "cudahook-runtime")
     spec = gpu_spec(node.lab, "ctr")
     tags, cid, ref = spec.tags, f"gpu-{uuid.uuid4().hex[:8]}", "cudahook/gpu-checkpoint:1"
     with Containerd(tmp_path / "containerd", path_prefix=shim_path) as c:
-        name = c.import_image(image)
-        extra = [a for e in spec.env for a in ("--env", e)]
-        pid = c.run(name, cid, *spec.cmd, mounts=spec.binds, extra=extra)
-        node.wait_running(tags, steps=3)
-        bundle = c.state / "io.containerd.runtime.v2.task" / c.namespace / cid
-        assert_hooked(node, cid, bundle, pid)
+        pid, bundle = run_gpu_task(node, c, image, spec, cid)
 
         # Checkpoint, leaving the task running: the guardian puts the
         # workloads back on the GPU once containerd resumes the task.
@@ -432,12 +439,7 @@ def test_containerd_with_gpu_only_criu_registration(node: Node, image: Path,
         spec = gpu_spec(node.lab, "go")
         tags, cid, ref = spec.tags, f"gpu-{uuid.uuid4().hex[:8]}", "cudahook/gpu-only:1"
         with Containerd(tmp_path / "containerd", path_prefix=shim_path) as c:
-            name = c.import_image(image)
-            extra = [a for e in spec.env for a in ("--env", e)]
-            pid = c.run(name, cid, *spec.cmd, mounts=spec.binds, extra=extra)
-            node.wait_running(tags, steps=3)
-            bundle = c.state / "io.containerd.runtime.v2.task" / c.namespace / cid
-            assert_hooked(node, cid, bundle, pid)
+            _, bundle = run_gpu_task(node, c, image, spec, cid)
             copy = node.state_dir / "criu" / f"{cid}.conf"
             notes = json.loads((bundle / "config.json").read_text())["annotations"]
             assert notes["org.criu.config"] == str(copy)
