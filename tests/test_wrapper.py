@@ -11,6 +11,7 @@ import pytest
 
 from cudahook.admin import hookfiles
 from cudahook.hooks.runtime_wrapper import add_hooks, bundle_of, split
+from cudahook.platform.errors import UsageError
 
 
 def test_split_global_options_command_and_args() -> None:
@@ -171,5 +172,6 @@ def test_criu_copies_are_bounded_and_pruned(tmp_path: Path, monkeypatch: pytest.
         os.utime(state / "criu" / f"{cid}.conf", (old, old))
     criuconf.write(state, "d", "x\n")  # b (old, no record) made room; a has a record
     assert sorted(os.listdir(state / "criu")) == ["a.conf", "c.conf", "d.conf"]
-    with pytest.raises(ValueError):
-        criuconf.conf_path(state, "../x")
+    for bad in ("../x", "a\n"):  # the store's own id rule: "$" would let "a\n" through
+        with pytest.raises(UsageError, match="invalid container id"):
+            criuconf.conf_path(state, bad)

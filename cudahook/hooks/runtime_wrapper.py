@@ -87,8 +87,10 @@ def add_hooks(bundle: str, hook: str, cid: str | None = None) -> bool:
             changed = True
     problem = None
     if cid is not None:
+        from cudahook.platform.criuconf import ACTION_NAME
+
         # The action script sits beside the OCI hook.
-        script = os.path.join(os.path.dirname(hook), "cudahook-criu-action")
+        script = os.path.join(os.path.dirname(hook), ACTION_NAME)
         try:
             changed |= point_criu_config(cfg, script, cid)
         except Exception as exc:  # the hooks still go in; the caller reports it

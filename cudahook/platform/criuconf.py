@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import time
 from pathlib import Path
+
+from .errors import UsageError
 
 ACTION_NAME = "cudahook-criu-action"
 # runc's annotation naming a container's CRIU configuration file ("" = none;
@@ -44,7 +45,6 @@ MAX_FILES = 4096
 # A copy with no container record this long after it was written is stale
 # (the record is written by createRuntime, moments after the copy).
 STALE_S = 600.0
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,249}$")
 
 
 def is_ours(script: str) -> bool:
@@ -119,9 +119,10 @@ def conf_dir(state_dir: str | os.PathLike[str]) -> Path:
 
 
 def conf_path(state_dir: str | os.PathLike[str], container_id: str) -> Path:
-    if not _ID.match(container_id):
-        raise ValueError(f"container id {container_id[:60]!r} is not one runc accepts")
-    return conf_dir(state_dir) / f"{container_id}.conf"
+    """The copy's path; UsageError for an id the state directory never names."""
+    from .store import check_id
+
+    return conf_dir(state_dir) / f"{check_id(container_id)}.conf"
 
 
 def is_copy(path: str, state_dir: str | os.PathLike[str]) -> bool:
@@ -146,7 +147,7 @@ def write(state_dir: str | os.PathLike[str], container_id: str, text: str) -> Pa
 
 
 def remove(state_dir: str | os.PathLike[str], container_id: str) -> None:
-    with contextlib.suppress(ValueError):  # not an id runc accepts: never written
+    with contextlib.suppress(UsageError):  # not an id runc accepts: never written
         conf_path(state_dir, container_id).unlink(missing_ok=True)
 
 
