@@ -39,8 +39,8 @@ from cudahook.platform.errors import (
 from cudahook.platform.marks import mark, prune_restore_marks
 from cudahook.vmm import coordinator as vmm
 
-from . import checks, guardian, results
 from . import criu_run as criu_run_steps
+from . import guardian, results
 from .containers import container_for, gpus_and_models, kill_container, restored_pids, visible_gpus
 from .context import Context
 from .criu_env import CriuCall
@@ -167,14 +167,18 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     # 2. Discover its CUDA processes, and check everything `cudahook check`
     #    knows would make this checkpoint fail: NVIDIA device files CRIU
     #    cannot dump (an NVML monitor), CRIU's own CUDA plugin acting on the
-    #    same processes, a process stopped or traced (cuda-checkpoint would
-    #    hang on it), not running (one already locked or checkpointed, found
-    #    by its restore thread, was not put there by this checkpoint: dumped,
-    #    it would be restored without its GPU state), failed; too little host memory or image
-    #    space; persistence off. The same checks (hooks/checks.py), refused
-    #    with their reason code before anything is locked. Hazard: a probe
-    #    that times out is not "not CUDA" - it refuses too, or a process
-    #    would be dumped with live GPU state. Nothing touched: no undo.
+    #    same processes, a process stopped (cuda-checkpoint would hang on
+    #    it), not running (one already locked or checkpointed, found by its
+    #    restore thread, was not put there by this checkpoint: dumped, it
+    #    would be restored without its GPU state), failed; too little host
+    #    memory; persistence off. A task traced while it runs and the image
+    #    size are left to CRIU, which fails cleanly on them (the guardian
+    #    then resumes the workload). The same checks (hooks/checks.py),
+    #    refused with their reason code before anything is locked. Hazard: a
+    #    probe that times out is not "not CUDA" - it refuses too, or a
+    #    process would be dumped with live GPU state. Nothing touched: no undo.
+    from . import checks  # the reason table: only pre-dump and post-restore need it
+
     verdict = checks.checkpoint_checks(ctx, init_pid=init_pid, full=False,
                                        image_dir=call.image_dir, container=cid)
     for w in verdict.warnings:
@@ -223,12 +227,12 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         if with_vmm:
             keep_vmm_state(call, criu_run)
     except CudahookError as exc:
-        _remember(ctx, cid, "checkpoint", ok=False, error=str(exc),
+        results.remember(ctx, cid, "checkpoint", ok=False, error=str(exc),
                   reasons=[exc.reason] if exc.reason else [])
         raise
     except OSError as exc:
         message = f"pre-dump: cannot keep the VMM state for the guardian: {exc}; nothing was locked"
-        _remember(ctx, cid, "checkpoint", ok=False, error=message)
+        results.remember(ctx, cid, "checkpoint", ok=False, error=message)
         raise EnvironmentProblem(message) from exc
 
     # 5. Lock all (in parallel: a partly locked NCCL job can hang its peers),
@@ -253,7 +257,7 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
             criu_run.step(criu_run_steps.ROLLED_BACK)
         ctx.log("checkpoint", container=cid, error=error, pids=found.pids, unsafe=unsafe,
                 timeline=exc.result.timeline.to_dict() if exc.result else None)
-        _remember(ctx, cid, "checkpoint", ok=False, error=error, unsafe=unsafe,
+        results.remember(ctx, cid, "checkpoint", ok=False, error=error, unsafe=unsafe,
                   rolled_back=bool(exc.result and exc.result.rolled_back))
         return rc
 
@@ -281,7 +285,7 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         if code == Exit.FAILED:
             criu_run.step(criu_run_steps.ROLLED_BACK)
         ctx.log("checkpoint", container=cid, error=message, pids=found.pids)
-        _remember(ctx, cid, "checkpoint", ok=False, error=message, unsafe=code == Exit.UNSAFE,
+        results.remember(ctx, cid, "checkpoint", ok=False, error=message, unsafe=code == Exit.UNSAFE,
                   rolled_back=True, reasons=["NVML_FDS"])
         return code
 
@@ -327,7 +331,7 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     ctx.log("checkpoint", container=cid, pids=found.pids,
             nspids=[p.nspid for p in found.processes], total_s=result.timeline.total(),
             timeline=result.timeline.to_dict())
-    _remember(ctx, cid, "checkpoint", ok=True, pids=found.pids,
+    results.remember(ctx, cid, "checkpoint", ok=True, pids=found.pids,
               total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict(),
               gpu_bytes=verdict.facts.get("gpu_memory_bytes"), vmm_prepare_s=vmm_prepare_s,
               gpu_model=_model({u: m[0] for u, m in models.items()}, gpus))
@@ -412,6 +416,8 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     #    present, a device map this driver can apply, the VMM coordinator.
     #    A refusal here is clean; one that no retry here can change is
     #    remembered, and the next attempt refused at once.
+    from . import checks
+
     record, ctx, opts = container_for(ctx, _need_init(ctx, call))
     verdict = checks.restore_checks(ctx, call.image_dir, record, opts)
     cid = (record or {}).get("id") or data.get("container_id")
@@ -421,7 +427,7 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         checks.remember(ctx, cid, verdict)
         ctx.log("post-restore", container=cid, verdict=str(kept), reasons=[
             p.code for p in verdict.problems], cached=verdict.cached)
-        _remember(ctx, cid, "restore", ok=False, error=verdict.message(),
+        results.remember(ctx, cid, "restore", ok=False, error=verdict.message(),
                   reasons=[p.code for p in verdict.problems], gpu_model=_model(data))
         raise checks.Refused(verdict, "post-restore")
     mapping = verdict.facts.get("device_map")
@@ -515,14 +521,14 @@ def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, An
         error = f"restore failed, container killed ({killed} processes): {exc}"
         timeline = exc.result.timeline.to_dict() if isinstance(exc, PhaseError) and exc.result else None
         ctx.log("restore", container=cid, error=error, timeline=timeline)
-        _remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline, killed=killed,
+        results.remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline, killed=killed,
                   gpu_model=_model(data))
         return int(exc.exit_code) or Exit.FAILED
     if vmm_dir and cid:
         record_vmm_sockets(ctx, cid, procs, [p["nspid"] for p in data["processes"]])
     ctx.log("restore", container=cid, pids=procs, device_map=mapping,
             total_s=result.timeline.total(), timeline=result.timeline.to_dict())
-    _remember(ctx, cid, "restore", ok=True, pids=procs, device_map=mapping,
+    results.remember(ctx, cid, "restore", ok=True, pids=procs, device_map=mapping,
               total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict(),
               gpu_bytes=data.get("gpu_memory_bytes"), gpu_model=_model(data),
               criu_restore_s=criu_run.get("criu_restore_s"),
@@ -549,7 +555,7 @@ def _refuse(ctx: Context, cid: str | None, init_pid: int, cuda_processes: int, c
     """A refusal before anything was touched: logged, remembered, returned."""
     ctx.log("pre-dump", container=cid, init_pid=init_pid, error=message,
             cuda_processes=cuda_processes, reasons=reasons)
-    _remember(ctx, cid, "checkpoint", ok=False, error=message, reasons=reasons)
+    results.remember(ctx, cid, "checkpoint", ok=False, error=message, reasons=reasons)
     return code
 
 
@@ -572,12 +578,6 @@ def _start_time(ctx: Context, pid: int) -> int | None:
         return ctx.host.start_time(pid)
     except Exception:
         return None
-
-
-def _remember(ctx: Context, cid: str | None, kind: str, **result: Any) -> None:
-    """The last result per container, for `cudahook status` and the
-    metrics; never fatal."""
-    results.remember(ctx, cid, kind, **result)
 
 
 def _model(data: dict[str, Any] | None, gpus: list[str] | None = None) -> str | None:

@@ -277,7 +277,7 @@ def _unmark(args: dict[str, Any], cid: str) -> None:
     from cudahook.platform.store import read_json
 
     with contextlib.suppress(Exception):
-        path = _marker(args["settings"]["state_dir"], cid)
+        path = _marker(args["settings"]["state_dir"], cid, create=False)
         data = read_json(path)
         if isinstance(data, dict) and data.get("pid") == os.getpid():
             path.unlink()
