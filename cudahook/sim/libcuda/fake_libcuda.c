@@ -107,7 +107,7 @@ static struct {
     char dir[PATH_MAX];
 } node;
 
-static const struct {
+static const struct cu_error {
     CUresult code;
     const char *name;
     const char *text;
@@ -618,28 +618,28 @@ EXPORT CUresult cuDriverGetVersion(int *driverVersion) {
     return CUDA_SUCCESS;
 }
 
+/* errors[] entry of `error`, or NULL for a code the driver does not know. */
+static const struct cu_error *find_error(CUresult error) {
+    for (size_t i = 0; i < sizeof errors / sizeof errors[0]; i++)
+        if (errors[i].code == error)
+            return &errors[i];
+    return NULL;
+}
+
 EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr) {
     if (!pStr)
         return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < sizeof errors / sizeof errors[0]; i++)
-        if (errors[i].code == error) {
-            *pStr = errors[i].name;
-            return CUDA_SUCCESS;
-        }
-    *pStr = NULL;
-    return CUDA_ERROR_INVALID_VALUE;
+    const struct cu_error *e = find_error(error);
+    *pStr = e ? e->name : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr) {
     if (!pStr)
         return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < sizeof errors / sizeof errors[0]; i++)
-        if (errors[i].code == error) {
-            *pStr = errors[i].text;
-            return CUDA_SUCCESS;
-        }
-    *pStr = NULL;
-    return CUDA_ERROR_INVALID_VALUE;
+    const struct cu_error *e = find_error(error);
+    *pStr = e ? e->text : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* What every checkpoint entry point does first. */
