@@ -56,26 +56,33 @@ def _wait_intact(node: Node, since: dict[str, int]) -> None:
         assert st["intact"] and st["errors"] == [], st
 
 
+def _held_until_gone(node: Node, engine: Any, pids: list[int], frozen: dict[str, int],
+                     args: str, blocker: subprocess.Popen[bytes]) -> None:
+    """The guardian started with `args` holds the processes checkpointed
+    while `blocker` lives, and brings them back, intact, once it is killed."""
+    rc: list[int] = []
+    t = threading.Thread(target=lambda: rc.append(guardian.main(args)))
+    t.start()
+    try:
+        time.sleep(1.5)
+        assert t.is_alive() and rc == []
+        assert {engine.read_state(p) for p in pids} == {"checkpointed"}
+    finally:
+        blocker.kill()
+        blocker.wait()
+    t.join(60)
+    assert rc == [0]
+    assert {engine.read_state(p) for p in pids} == {"running"}
+    _wait_intact(node, frozen)
+
+
 def test_without_pidfd_open_it_polls_and_waits_for_criu(
         node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSYS from pidfd_open (Linux < 5.3) is no sign that CRIU has exited."""
     monkeypatch.setattr(os, "pidfd_open", _no_pidfd)
     pids, frozen, engine = _checkpointed(node)
     criu = subprocess.Popen(["sleep", "60"])
-    rc: list[int] = []
-    t = threading.Thread(target=lambda: rc.append(guardian.main(_args(node, criu, pids))))
-    t.start()
-    try:
-        time.sleep(1.5)
-        assert t.is_alive() and rc == []
-        assert {engine.read_state(p) for p in pids} == {"checkpointed"}  # CRIU still dumps
-    finally:
-        criu.kill()
-        criu.wait()
-    t.join(60)
-    assert rc == [0]
-    assert {engine.read_state(p) for p in pids} == {"running"}
-    _wait_intact(node, frozen)
+    _held_until_gone(node, engine, pids, frozen, _args(node, criu, pids), criu)  # CRIU still dumps
     assert "resumed" in _events(node)[-1]["outcome"]
 
 
@@ -121,20 +128,7 @@ def test_waits_for_the_action_script_as_well_as_criu(node: Node) -> None:
     args["criu_start"] = criu_start
     args["hook"] = [hook.pid, Host().start_time(hook.pid)]
     criu.wait()
-    rc: list[int] = []
-    t = threading.Thread(target=lambda: rc.append(guardian.main(json.dumps(args))))
-    t.start()
-    try:
-        time.sleep(1.5)
-        assert t.is_alive() and rc == []
-        assert {engine.read_state(p) for p in pids} == {"checkpointed"}
-    finally:
-        hook.kill()
-        hook.wait()
-    t.join(60)
-    assert rc == [0]
-    assert {engine.read_state(p) for p in pids} == {"running"}
-    _wait_intact(node, frozen)
+    _held_until_gone(node, engine, pids, frozen, json.dumps(args), hook)
 
 
 def test_restores_only_what_it_finds_locked_or_checkpointed(node: Node) -> None:
