@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,6 +17,7 @@ from cudahook.core import manifest
 from cudahook.platform import metrics
 from cudahook.platform.config import Settings
 from cudahook.platform.store import Store
+from cudahook.sim.lab import wait_for
 
 from .conftest import Node
 from .test_criu_action import SCRUBBED, action, events, install
@@ -102,14 +102,9 @@ def test_a_checkpoint_its_phases_bytes_and_the_guardian_resume_are_counted(
     data = manifest.read(image)
     assert data is not None and data["gpu_memory_bytes"] == 6 << 20
     # The parent (CRIU) is gone, the tasks live on: the guardian resumes them.
-    deadline = time.monotonic() + 30
-    while not events(node, "guardian"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    deadline = time.monotonic() + 10
-    while value(samples(metrics_file(node)), "cudahook_guardian_resumes_total") is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: bool(events(node, "guardian")), 30, "no guardian event")
+    wait_for(lambda: value(samples(metrics_file(node)), "cudahook_guardian_resumes_total")
+             is not None, 10, "no guardian resume counted")
     found = samples(metrics_file(node))
     model = "NVIDIA H100 80GB HBM3 (simulated)"
     assert value(found, "cudahook_checkpoints_total", outcome="ok", gpu_model=model,
@@ -182,10 +177,7 @@ def test_metrics_that_cannot_be_written_never_fail_a_checkpoint(node: Node, tmp_
     assert dump(script, init.pid, image, stay_s=0.5) == 0
     assert manifest.read(image) is not None
     assert not metrics_file(node).exists()
-    deadline = time.monotonic() + 30
-    while not events(node, "guardian"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: bool(events(node, "guardian")), 30, "no guardian event")
     node.lab.wait_counter("a", node.lab.status("a")["counter"] + 3)
 
 
