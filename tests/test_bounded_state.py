@@ -24,6 +24,7 @@ import pytest
 
 from cudahook.hooks import criu_action as criuhook
 from cudahook.hooks import oci_hook as ocihook
+from cudahook.hooks import results
 from cudahook.hooks.context import Context
 from cudahook.hooks.criu_env import CriuCall
 from cudahook.platform import config, paths, store
@@ -93,7 +94,7 @@ def test_state_stays_bounded_over_many_checkpoints_of_many_containers(
             dump = sleeper()  # the CRIU process of the checkpoint
             assert criu("pre-dump", dump.pid, init.pid, image) == 0
             # What pre-dump keeps for a container with CUDA processes.
-            criuhook._remember(Context(config.load()), cid, "checkpoint", ok=True,
+            results.remember(Context(config.load()), cid, "checkpoint", ok=True,
                                pids=[init.pid])
             stop(dump)
             restore = sleeper()  # the CRIU process of the restore
@@ -135,7 +136,7 @@ def test_without_pruning_the_same_cycles_would_grow(node: Path, tmp_path: Path,
             assert oci("createRuntime", state, monkeypatch) == 0
             dump = sleeper()
             assert criu("pre-dump", dump.pid, init.pid, tmp_path) == 0
-            criuhook._remember(Context(config.load()), f"c{cycle}", "checkpoint", ok=True)
+            results.remember(Context(config.load()), f"c{cycle}", "checkpoint", ok=True)
             stop(dump)
         finally:
             stop(init)
