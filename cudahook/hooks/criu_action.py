@@ -385,7 +385,9 @@ def keep_vmm_state(call: CriuCall, criu_run: CriuRun) -> None:
     """A private copy of the VMM state for the guardian, where it looks for
     one: by the time it runs, CRIU's image directory path is gone, or the
     image was dropped. Written whole or not at all: the guardian takes the
-    directory's presence for "prepare ran"."""
+    directory's presence for "prepare ran". The image directory is the
+    container's to fill: the state is copied as post-restore copies it
+    (no link followed, regular file only, capped, under a deadline)."""
     import shutil
 
     assert call.image_dir is not None
@@ -393,7 +395,11 @@ def keep_vmm_state(call: CriuCall, criu_run: CriuRun) -> None:
     partial = copy.with_name(copy.name + ".new")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(mode=0o700)
-    shutil.copyfile(call.image_dir / vmm.STATE_FILE, partial / vmm.STATE_FILE)
+    try:
+        vmm.copy_state(call.image_dir, partial, "pre-dump")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # refused: no half copy left in /run
+        raise
     partial.rename(copy)
 
 

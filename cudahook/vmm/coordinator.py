@@ -155,16 +155,25 @@ def locate_state(image_dir: Path, private_copy: Path) -> str | None:
     real = os.path.realpath(image_dir)
     if os.path.isdir(real) and has_state(Path(real)):
         return real
-    from cudahook.platform import safeio
     from cudahook.platform.privdir import ensure_private_dir
 
     ensure_private_dir(private_copy)
     (private_copy / STATE_FILE).unlink(missing_ok=True)  # CRIU's second call copies again
-    try:
-        safeio.copy_file(image_dir / STATE_FILE, private_copy / STATE_FILE, MAX_STATE_BYTES)
-    except safeio.FileRefused as exc:
-        raise EnvironmentProblem(f"post-restore: {STATE_FILE}: {exc}") from None
+    copy_state(image_dir, private_copy, "post-restore")
     return str(private_copy)
+
+
+def copy_state(image_dir: Path, into: Path, what: str) -> None:
+    """Copy the image's cuda-vmm.state into the directory `into`. The image
+    is the container's to fill: the state file is read without following a
+    link, only if it is a regular file, capped and under a deadline (a FIFO
+    or a hung mount never holds the hook). EnvironmentProblem if refused."""
+    from cudahook.platform import safeio
+
+    try:
+        safeio.copy_file(image_dir / STATE_FILE, into / STATE_FILE, MAX_STATE_BYTES)
+    except safeio.FileRefused as exc:
+        raise EnvironmentProblem(f"{what}: {STATE_FILE}: {exc}") from exc
 
 
 def _args(op: str, proc_root: str, directory: Path, procs: Sequence[tuple[int, int]]) -> list[str]:
