@@ -38,6 +38,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -74,6 +75,36 @@ DOCKER = "/usr/bin/docker"
 RUNC = "/usr/sbin/runc"
 NAMESPACE = "cudahook-test"
 IMAGE = "cudahook/busybox:test"
+
+
+#: dockerd's containerd namespace
+DOCKER_NAMESPACE = "moby"
+#: containerd refusing a blob its store still holds (moby/moby#42900)
+CONTENT_RACE = re.compile(r"content (sha256:[0-9a-f]{64}): already exists")
+#: how long a checkpoint command waits for the content store to settle
+CONTENT_SETTLE_S = 60.0
+CONTENT_ATTEMPTS = 3
+
+
+def _stores_checkpoint(args: Sequence[str]) -> bool:
+    """docker commands that pass a checkpoint through containerd's content store."""
+    if tuple(args[:2]) == ("checkpoint", "create"):
+        return True
+    return bool(args) and args[0] == "start" and any(
+        a == "--checkpoint" or a.startswith("--checkpoint=") for a in args[1:])
+
+
+def _checkpoint_target(args: Sequence[str]) -> str | None:
+    """The container of ``checkpoint create [OPTIONS] CONTAINER CHECKPOINT``."""
+    rest = list(args[2:])
+    words = []
+    while rest:
+        a = rest.pop(0)
+        if a in ("--checkpoint-dir",) and rest:
+            rest.pop(0)
+        elif not a.startswith("-"):
+            words.append(a)
+    return words[0] if len(words) == 2 else None
 
 
 class DaemonError(RuntimeError):
@@ -346,8 +377,12 @@ class Containerd(_Daemon):
         criu: Path | str | None = None,
         start_timeout: float = 30,
         extra_env: Mapping[str, str] | None = None,
+        gc: Mapping[str, Any] | None = None,
     ) -> None:
         self.dir = Path(tmpdir)
+        #: settings of containerd's garbage collection scheduler (e.g.
+        #: ``pause_threshold``): how long a deleted blob stays in the store
+        self.gc = dict(gc or {})
         self.dir.mkdir(parents=True, exist_ok=True)
         self.root = self.dir / "root"
         self.state = self.dir / "state"
@@ -428,6 +463,9 @@ disabled_plugins = {json.dumps(disabled)}
   [plugins."io.containerd.internal.v1.opt"]
     path = "{self.root}/opt"
 """
+        if self.gc:
+            toml += '  [plugins."io.containerd.gc.v1.scheduler"]\n'
+            toml += "".join(f"    {k} = {json.dumps(v)}\n" for k, v in self.gc.items())
         self.config.write_text(toml)
         return self.config
 
@@ -651,6 +689,7 @@ class Dockerd(_Daemon):
         path_prefix: Path | str | None = None,
         start_timeout: float = 60,
         extra_config: Mapping[str, Any] | None = None,
+        gc: Mapping[str, Any] | None = None,
     ) -> None:
         self.dir = Path(tmpdir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -664,7 +703,8 @@ class Dockerd(_Daemon):
         self.start_timeout = start_timeout
         #: short /tmp/chkXXXX dir: exec-root, pidfile, API socket; made by start()
         self.short: Path | None = None
-        self.containerd = Containerd(self.dir / "containerd", path_prefix=path_prefix)
+        self.containerd = Containerd(self.dir / "containerd", path_prefix=path_prefix,
+                                     gc=gc)
         self.env = {**self.containerd.env, "DOCKER_CONFIG": str(self.client_config)}
         self.env.pop("TMPDIR", None)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -746,7 +786,15 @@ class Dockerd(_Daemon):
         return f"dockerd log {self.log} (tail):\n{tail(self.log, n)}\n{self.containerd.log_tail(15)}"
 
     def docker(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        """Run docker.io's client against this daemon (stdin /dev/null, output captured)."""
+        """Run docker.io's client against this daemon (stdin /dev/null, output captured).
+        ``checkpoint create`` and ``start --checkpoint`` go through
+        :meth:`_through_content_store`."""
+        if _stores_checkpoint(args):
+            return self._through_content_store(args, check, timeout)
+        return self._docker(args, check, timeout)
+
+    def _docker(self, args: Sequence[str], check: bool, timeout: float
+                ) -> subprocess.CompletedProcess[str]:
         cmd = [DOCKER, "-H", self.host, *args]
         try:
             res = subprocess.run(
@@ -761,22 +809,71 @@ class Dockerd(_Daemon):
             raise DaemonError(f"docker {' '.join(args)} failed ({res.returncode}): {msg}\n{self.log_tail()}")
         return res
 
-    def start_checkpoint(self, cid: str, checkpoint: str, timeout: float = 120
-                         ) -> subprocess.CompletedProcess[str]:
-        """``docker start --checkpoint``. dockerd 20.10 copies the checkpoint
-        into containerd's content store first, and that copy now and then
-        fails "commit failed: content sha256:...: already exists" while an
-        earlier copy of the same bytes is being collected (moby/moby#42900),
-        before runc or CRIU are even called: that one failure is retried."""
-        args = ("start", "--checkpoint", checkpoint, cid)
-        res = self.docker(*args, check=False, timeout=timeout)
-        if res.returncode != 0 and "already exists" in res.stderr and "commit failed" in res.stderr:
-            time.sleep(0.5)
-            res = self.docker(*args, check=False, timeout=timeout)
-        if res.returncode != 0:
+    def _through_content_store(self, args: Sequence[str], check: bool, timeout: float
+                               ) -> subprocess.CompletedProcess[str]:
+        """A command that passes a checkpoint through containerd's content store.
+
+        dockerd 20.10 commits each blob with a bare ``Commit`` (no "already
+        there is fine"), and deletes what it committed once done - but a
+        deleted blob only leaves the store at containerd's next garbage
+        collection, which a loaded machine delays. A checkpoint of the same
+        container (its runtime spec is the same blob) or a start from the
+        same checkpoint (the same tar) meanwhile fails "commit failed:
+        content sha256:...: already exists" (moby/moby#42900).
+        ``checkpoint create`` fails so only after CRIU has dumped (and, without
+        ``--leave-running``, stopped) the container, so a retry cannot mend
+        it: the store is waited for BEFORE each such command, until docker's
+        namespace holds no blob and no ingest (it keeps nothing there between
+        commands), bounded by CONTENT_SETTLE_S. A start that still meets the
+        race is retried once the named blob is gone; a checkpoint only while
+        its container still runs (nothing was lost)."""
+        for attempt in range(1, CONTENT_ATTEMPTS + 1):
+            self.settle_content()
+            res = self._docker(args, False, timeout)
+            race = CONTENT_RACE.search(res.stderr)
+            if res.returncode == 0 or race is None or attempt == CONTENT_ATTEMPTS:
+                break
+            if args[0] == "checkpoint" and not self._running(_checkpoint_target(args)):
+                break  # dumped and stopped: no retry can make this checkpoint again
+            self.settle_content(race.group(1))
+        if check and res.returncode != 0:
             msg = res.stderr.strip() or res.stdout.strip()
             raise DaemonError(f"docker {' '.join(args)} failed ({res.returncode}): {msg}\n{self.log_tail()}")
         return res
+
+    def content(self) -> list[str]:
+        """Digests and active ingest refs in docker's namespace of its containerd."""
+        held = self.containerd.ctr("content", "ls", "-q", namespace=DOCKER_NAMESPACE, timeout=15)
+        active = self.containerd.ctr("content", "active", namespace=DOCKER_NAMESPACE, timeout=15)
+        ingests = [ln.split()[0] for ln in active.stdout.splitlines()[1:] if ln.strip()]
+        return held.stdout.split() + ingests
+
+    def settle_content(self, digest: str | None = None, timeout: float | None = None) -> bool:
+        """Until docker's namespace of the content store holds nothing (with
+        `digest`: not that blob), at most `timeout` (CONTENT_SETTLE_S); whether
+        it settled (if not, the command runs anyway and says why it failed)."""
+        deadline = time.monotonic() + (CONTENT_SETTLE_S if timeout is None else timeout)
+        while True:
+            with contextlib.suppress(DaemonError):
+                left = self.content()
+                if (digest not in left) if digest else not left:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    def _running(self, cid: str | None) -> bool:
+        if cid is None:
+            return False
+        res = self._docker(["inspect", "--type", "container", "--format", "{{.State.Running}}", cid],
+                           False, 30)
+        return res.returncode == 0 and res.stdout.strip() == "true"
+
+    def start_checkpoint(self, cid: str, checkpoint: str, timeout: float = 120
+                         ) -> subprocess.CompletedProcess[str]:
+        """``docker start --checkpoint`` (through the content store: see
+        :meth:`_through_content_store`)."""
+        return self.docker("start", "--checkpoint", checkpoint, cid, timeout=timeout)
 
     def load_image(self, tarball: Path | str) -> str:
         """``docker load`` a docker-save archive; return the loaded name."""
