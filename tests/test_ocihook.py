@@ -19,6 +19,7 @@ import yaml
 
 from cudahook.admin import hookfiles
 from cudahook.platform.host import Host
+from cudahook.platform.store import Store, container_key
 from cudahook.sim.lab import SimLab
 
 U0 = "GPU-11111111-2222-3333-4444-555555555555"
@@ -67,8 +68,10 @@ class Hook:
         return st
 
     def record(self, cid: str) -> dict[str, Any] | None:
-        p = self.state_dir / "containers" / f"{cid}.json"
-        return json.loads(p.read_text()) if p.exists() else None
+        """The record of the one container of that id (named by its key)."""
+        recs = [r for r in Store(self.state_dir).records() if r.get("id") == cid]
+        assert len(recs) <= 1, recs
+        return {k: v for k, v in recs[0].items() if k != "key"} if recs else None
 
     def events(self) -> list[dict[str, Any]]:
         if not self.log_file.exists():
@@ -190,7 +193,7 @@ def test_gpu_bundle_is_recorded(hook: Hook) -> None:
     assert rec["options"] == {"sequential": "true"}
     assert rec["snapshot_control"] == str(ctl)
     assert "restores" not in rec
-    path = hook.state_dir / "containers" / "gpu-1.json"
+    path = hook.state_dir / "containers" / f"{container_key('gpu-1', b)}.json"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(hook.state_dir.stat().st_mode) == 0o700
     assert [e["event"] for e in hook.events()] == ["oci-createRuntime"]
@@ -310,7 +313,7 @@ def sock(path: Path, held: list[socket.socket]) -> None:
 
 def test_poststop_forgets_the_container_and_only_its_own_sockets(hook: Hook) -> None:
     """The directory is shared with d: only the sockets recorded as c's go."""
-    from cudahook.platform.store import Store
+    from cudahook.platform.store import Store, container_key
 
     ctl = hook.tmp / "ctl"
     ctl.mkdir()
@@ -326,7 +329,7 @@ def test_poststop_forgets_the_container_and_only_its_own_sockets(hook: Hook) -> 
         assert hook.run("createRuntime", state=hook.state("d", b, hook.init())).returncode == 0
         ident = {n: [os.lstat(ctl / n).st_dev, os.lstat(ctl / n).st_ino]
                  for n in ("cuda-vmm-6.sock", "cuda-vmm-7.sock")}
-        Store(hook.state_dir).update("c", vmm_sockets=ident)  # as c's pre-dump saw them
+        Store(hook.state_dir).update(container_key("c", b), vmm_sockets=ident)  # as c's pre-dump saw them
         held[0].listen(1)  # cuda-vmm-6.sock: since taken over by a live process
         st = hook.state("c", b, status="stopped")
         r = hook.run("poststop", state=st)
@@ -337,7 +340,8 @@ def test_poststop_forgets_the_container_and_only_its_own_sockets(hook: Hook) -> 
     assert sorted(os.listdir(ctl)) == ["cuda-vmm-6.sock", "cuda-vmm-8.sock", "cuda-vmm-9.sock",
                                        "data", "other.sock"]
     # c's record is gone, and its lock file with it (see Store.delete).
-    assert sorted(os.listdir(hook.state_dir / "containers")) == ["d.json", "d.lock"]
+    d = container_key("d", b)
+    assert sorted(os.listdir(hook.state_dir / "containers")) == [f"{d}.json", f"{d}.lock"]
     assert [e["event"] for e in hook.events()][-1] == "oci-poststop"
     assert hook.events()[-1]["container"] == "c"
 

@@ -421,3 +421,41 @@ def test_a_lock_unlinked_while_waited_on_never_lets_two_in(tmp_path: Path) -> No
         spans.append((float(lines[0][1]), float(lines[1][1])))
     (a_in, a_out), (c_in, c_out) = sorted(spans)
     assert a_out <= c_in or c_out <= a_in, spans  # never both inside
+
+
+# -- keys ------------------------------------------------------------------------------
+
+
+def test_records_carry_their_key_and_find_needs_one_of_that_id(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    ka, kb = store.container_key("web", "/a"), store.container_key("web", "/b")
+    s.update(ka, id="web", pid=1)
+    assert s.find("web") == {"id": "web", "pid": 1, "key": ka}
+    s.update(kb, id="web", pid=2)
+    assert sorted(r["key"] for r in s.records()) == sorted([ka, kb])
+    assert s.find("web") is None  # two of that id: only the key tells which
+    assert s.find(kb) == {"id": "web", "pid": 2, "key": kb}
+    assert s.load(kb) == {"id": "web", "pid": 2}  # the key is the name, not in the file
+    s.update("old", pid=3)  # a record from before keys, named by the id
+    assert s.find("old") == {"id": "old", "pid": 3, "key": "old"}
+
+
+def test_busy_locks_of_gone_inits_are_pruned(tmp_path: Path) -> None:
+    from cudahook.platform import busy
+
+    s = Store(tmp_path)
+    alive = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        host = Host()
+        live_key = store.init_key(alive.pid, host.start_time(alive.pid))
+        dead_key = store.init_key(gone.pid, 12345)
+        for key in (live_key, dead_key):
+            with busy.hold(str(tmp_path), key, 1.0):
+                pass
+        s.prune(0.0)
+        assert sorted(os.listdir(tmp_path / "busy")) == [f"{live_key}.lock"]
+    finally:
+        alive.kill()
+        alive.wait()

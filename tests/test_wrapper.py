@@ -12,6 +12,7 @@ import pytest
 from cudahook.admin import hookfiles
 from cudahook.hooks.runtime_wrapper import add_hooks, bundle_of, split
 from cudahook.platform.errors import UsageError
+from cudahook.platform.store import container_key
 
 
 def test_split_global_options_command_and_args() -> None:
@@ -105,7 +106,7 @@ def test_gpu_only_a_gpu_container_gets_its_own_criu_config(
     b = bundle(tmp_path / "b", ["NVIDIA_VISIBLE_DEVICES=0"])
     assert add_hooks(str(b), "/opt/h/cudahook-oci-hook", "c-1")
     notes = json.loads((b / "config.json").read_text())["annotations"]
-    copy = state / "criu" / "c-1.conf"
+    copy = state / "criu" / f"{container_key('c-1', str(b))}.conf"
     assert notes == {"org.criu.config": str(copy)}
     assert copy.read_text().splitlines() == [
         "tcp-established", criuconf.COMMENT, "action-script /opt/h/cudahook-criu-action"]
@@ -120,7 +121,7 @@ def test_gpu_only_a_gpu_container_gets_its_own_criu_config(
     before = (p / "config.json").read_bytes()
     assert not add_hooks(str(p), "/opt/h/cudahook-oci-hook", "plain")
     assert (p / "config.json").read_bytes() == before
-    assert sorted(os.listdir(state / "criu")) == ["c-1.conf"]
+    assert sorted(os.listdir(state / "criu")) == [copy.name]
 
 
 def test_a_containers_own_criu_config_is_kept_and_global_needs_no_copy(
@@ -135,15 +136,15 @@ def test_a_containers_own_criu_config_is_kept_and_global_needs_no_copy(
     # Global registration, but the container names its own file, which lacks the script.
     assert add_hooks(str(b), "/opt/h/cudahook-oci-hook", "c-2")
     notes = json.loads((b / "config.json").read_text())["annotations"]
-    assert notes == {"org.criu.config": str(state / "criu" / "c-2.conf"),
-                     "cudahook.io/criu-config": str(own)}
-    assert (state / "criu" / "c-2.conf").read_text().startswith("ghost-limit 1M\n")
+    copy = state / "criu" / f"{container_key('c-2', str(b))}.conf"
+    assert notes == {"org.criu.config": str(copy), "cudahook.io/criu-config": str(own)}
+    assert copy.read_text().startswith("ghost-limit 1M\n")
     # Its own file names the script now: runc's choice covers it, the copy goes.
     own.write_text("action-script /opt/h/cudahook-criu-action\n")
     assert add_hooks(str(b), "/opt/h/cudahook-oci-hook", "c-2")
     assert json.loads((b / "config.json").read_text())["annotations"] == {
         "org.criu.config": str(own)}
-    assert not (state / "criu" / "c-2.conf").exists()
+    assert not copy.exists()
     # Global, no annotation: nothing to add for CRIU.
     (tmp_path / "g").mkdir()
     g = bundle(tmp_path / "g", ["NVIDIA_VISIBLE_DEVICES=0"])

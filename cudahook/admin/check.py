@@ -61,9 +61,7 @@ def run(ctx: Context, args: argparse.Namespace) -> checks.Verdict:
 
     cid = args.container
     if cid is not None:
-        from cudahook.platform.store import check_id
-
-        record = ctx.store.load(check_id(cid))
+        record = ctx.store.find(cid)
         pid = (record or {}).get("pid")
         if not record or not pid or not ctx.host.alive(pid, record.get("pid_start")):
             raise UsageError(f"container {cid}: not a running GPU container cudahook knows "

@@ -281,16 +281,16 @@ BUSY_WAIT_S = 30.0
 
 
 def _container_of(settings: Any, host: Any, args: argparse.Namespace) -> str | None:
-    """The recorded container the targets belong to, if any: the one whose
-    init is --init-pid, or whose init shares the --pid processes' PID
-    namespace."""
+    """The key of the recorded container the targets belong to, if any: the
+    one whose init is --init-pid, or whose init shares the --pid processes'
+    PID namespace."""
     from cudahook.platform.host import ProcessGone
     from cudahook.platform.store import Store
 
     records = [r for r in Store(settings.state_dir).records()
                if isinstance(r.get("id"), str) and type(r.get("pid")) is int]
     if args.init_pid:
-        return next((r["id"] for r in records if r["pid"] == args.init_pid), None)
+        return next((r["key"] for r in records if r["pid"] == args.init_pid), None)
     try:
         spaces = {host.pidns(p) for p in args.pid}
         own = host.own_pidns()
@@ -301,7 +301,7 @@ def _container_of(settings: Any, host: Any, args: argparse.Namespace) -> str | N
     for r in records:
         try:
             if host.pidns(r["pid"]) in spaces:
-                return str(r["id"])
+                return str(r["key"])
         except (ProcessGone, PermissionError, OSError):
             continue
     return None

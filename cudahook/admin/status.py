@@ -24,7 +24,7 @@ def gather(ctx: Context, *, live: bool = True) -> dict[str, Any]:
             "restores": rec.get("restores", 0), "processes": [], "last": history.get(cid, {}),
         }
         if alive and live:
-            entry["processes"] = _processes(ctx, cid, pid)
+            entry["processes"] = _processes(ctx, rec["key"], pid)
         out.append(entry)
     known = {c["id"] for c in out}
     for cid, last in history.items():
@@ -58,13 +58,13 @@ def criu_registration() -> str:
 PROBE_TIMEOUT_S = 10.0
 
 
-def _processes(ctx: Context, cid: str, init_pid: int) -> list[dict[str, Any]]:
+def _processes(ctx: Context, key: str, init_pid: int) -> list[dict[str, Any]]:
     from cudahook.core.discovery import discover
     from cudahook.platform import busy
     from cudahook.platform.errors import CudahookError
 
     try:
-        with busy.peek(ctx.settings.state_dir, cid) as free:
+        with busy.peek(ctx.settings.state_dir, key) as free:
             if not free:
                 return [{"error": "a checkpoint or restore is in progress: not probed"}]
             why = _unprobeable(ctx, init_pid)

@@ -419,7 +419,7 @@ def _persistence(ctx: Context, v: Verdict, container: str | None) -> None:
     except CudahookError as exc:
         v.add("GPU_QUERY_FAILED", str(exc))
         return
-    record = ctx.store.load(container) if container else None
+    record = ctx.store.find(container) if container else None
     wanted = set(visible_gpus(record) or [])
     use = [g for g in gpus if not wanted or "all" in wanted or g.uuid in wanted
            or str(g.index) in wanted]

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 
 def container_for(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, Context, ann.Options]:
-    """The OCI record (if the OCI hook saw this container), a context with
-    its per-container options applied, and the options."""
+    """The OCI record (if the OCI hook saw this container; with its `key`),
+    a context with its per-container options applied, and the options."""
     try:
         start: int | None = ctx.host.start_time(init_pid)
     except Exception:
@@ -35,6 +35,13 @@ def container_for(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, C
     if settings is not ctx.settings:
         ctx = Context(settings, ctx.host)
     return record, ctx, opts
+
+
+def lock_key(ctx: Context, record: dict[str, Any] | None, init_pid: int) -> str | None:
+    """What serialises the operations on this container (its busy lock and
+    its guardian's marker): its key when the OCI hook recorded it."""
+    key = (record or {}).get("key")
+    return key if isinstance(key, str) and key else None
 
 
 def visible_gpus(record: dict[str, Any] | None) -> list[str] | None:

@@ -41,7 +41,14 @@ from cudahook.vmm import coordinator as vmm
 
 from . import criu_run as criu_run_steps
 from . import guardian, results
-from .containers import container_for, gpus_and_models, kill_container, restored_pids, visible_gpus
+from .containers import (
+    container_for,
+    gpus_and_models,
+    kill_container,
+    lock_key,
+    restored_pids,
+    visible_gpus,
+)
 from .context import Context
 from .criu_env import CriuCall
 from .criu_run import HANDLED, CriuRun
@@ -141,7 +148,7 @@ def pre_dump(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         #    calling cuda-checkpoint on processes being locked or checkpointed;
         #    undo: none needed - the container's busy lock keeps it out.
         record, ctx, opts = container_for(ctx, init_pid)
-        with _busy(ctx, (record or {}).get("id")):
+        with _busy(ctx, lock_key(ctx, record, init_pid)):
             return _checkpoint(ctx, call, criu_run, init_pid, record, opts)
     finally:
         if thawed:
@@ -206,7 +213,8 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     starts = {p.pid: _start_time(ctx, p.pid) for p in found.processes}
     try:
         guardian.spawn(ctx, call.criu_pid, cid, [(p, starts[p]) for p in found.pids],
-                       criu_run.path, {p.pid: p.nspid for p in found.processes})
+                       criu_run.path, {p.pid: p.nspid for p in found.processes},
+                       key=lock_key(ctx, record, init_pid))
     except Exception as exc:
         raise EnvironmentProblem(f"pre-dump: cannot arm the guardian: {exc}; "
                                  "nothing was locked") from exc
@@ -222,7 +230,7 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
         gpus, models = gpus_and_models(ctx, visible_gpus(record))
         version = ctx.backend.features.version
         began = time.monotonic()
-        with_vmm = _interposer_prepare(ctx, cid, found.processes, call)
+        with_vmm = _interposer_prepare(ctx, cid, found.processes, call, (record or {}).get("key"))
         vmm_prepare_s = time.monotonic() - began if with_vmm else None
         if with_vmm:
             keep_vmm_state(call, criu_run)
@@ -339,13 +347,14 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     return Exit.OK
 
 
-def _interposer_prepare(ctx: Context, cid: str | None, procs: list[Any], call: CriuCall) -> bool:
+def _interposer_prepare(ctx: Context, cid: str | None, procs: list[Any], call: CriuCall,
+                        key: str | None) -> bool:
     """Detect the CUDA VMM interposer and run its coordinator's prepare."""
     detection = vmm.detect(ctx.host, procs)
     if not detection.participates:
         return False
-    if cid:  # poststop removes these sockets, and only these
-        ctx.store.update(cid, vmm_sockets=detection.sockets)
+    if key:  # poststop removes these sockets, and only these
+        ctx.store.update(key, vmm_sockets=detection.sockets)
     assert call.image_dir is not None
     output = vmm.run_coordinator(
         ctx.host, ctx.settings.tool("vmm_coordinator"), "prepare", str(ctx.host.proc),
@@ -487,7 +496,7 @@ def post_resume(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     # Hazard: `cudahook status` calling cuda-checkpoint on processes being
     # restored. The container's busy lock keeps it out - but never at the
     # cost of the restore: after the wait it goes on without the lock.
-    with busy.hold(ctx.settings.state_dir, (record or {}).get("id"), BUSY_WAIT_S,
+    with busy.hold(ctx.settings.state_dir, lock_key(ctx, record, init_pid), BUSY_WAIT_S,
                    required=False):
         return _restore(ctx, call, criu_run, data, init_pid, record, opts, cid)
 
@@ -530,8 +539,8 @@ def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, An
         results.remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline, killed=killed,
                   gpu_model=_model(data))
         return int(exc.exit_code) or Exit.FAILED
-    if vmm_dir and cid:
-        record_vmm_sockets(ctx, cid, procs, [p["nspid"] for p in data["processes"]])
+    if vmm_dir and record:
+        record_vmm_sockets(ctx, record["key"], procs, [p["nspid"] for p in data["processes"]])
     ctx.log("restore", container=cid, pids=procs, device_map=mapping,
             total_s=result.timeline.total(), timeline=result.timeline.to_dict())
     results.remember(ctx, cid, "restore", ok=True, pids=procs, device_map=mapping,
@@ -542,7 +551,7 @@ def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, An
     return Exit.OK
 
 
-def record_vmm_sockets(ctx: Context, cid: str, pids: list[int], nspids: list[int]) -> None:
+def record_vmm_sockets(ctx: Context, key: str, pids: list[int], nspids: list[int]) -> None:
     """The restored shims' sockets are new files: record them as this
     container's, for poststop. Best effort: without it they are only left."""
     from cudahook.core.discovery import CudaProcess
@@ -550,7 +559,7 @@ def record_vmm_sockets(ctx: Context, cid: str, pids: list[int], nspids: list[int
     with contextlib.suppress(Exception):
         found = vmm.detect(ctx.host, [CudaProcess(p, n) for p, n in zip(pids, nspids, strict=True)])
         if found.participates:
-            ctx.store.update(cid, vmm_sockets=found.sockets)
+            ctx.store.update(key, vmm_sockets=found.sockets)
 
 
 # -- small helpers --------------------------------------------------------------

@@ -48,7 +48,7 @@ VMM_SUFFIX = ".vmm-undo"
 
 
 def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int | None]],
-          run_path: Path, vmm_nspids: dict[int, int]) -> None:
+          run_path: Path, vmm_nspids: dict[int, int], *, key: str | None = None) -> None:
     """Arm the guardian for this CRIU run, detached (its own session: a
     runtime that kills the hook's process group does not kill it), and leave
     its marker for the container.
@@ -56,7 +56,8 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
     `procs` are (pid, start time) pairs, every process this pre-dump may
     touch: the start time tells ours from a later process that reused the
     PID. `run_path`: the run's progress record (criu_run.py). `vmm_nspids`:
-    each process's namespace PID, for a VMM replay.
+    each process's namespace PID, for a VMM replay. `key`: what names the
+    container's busy lock and the marker (containers.lock_key).
     """
     import subprocess
     import sys
@@ -67,6 +68,7 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
         "criu_start": ctx.host.start_time(criu_pid),
         "hook": [hook, ctx.host.start_time(hook)],
         "container": cid,
+        "key": key,
         "procs": procs,
         "settings": ctx.settings.as_dict(),
         "run": str(run_path),
@@ -78,10 +80,10 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True,
     )
-    if cid:
+    if key:
         from cudahook.platform.store import write_json_atomic
 
-        write_json_atomic(_marker(ctx.settings.state_dir, cid),
+        write_json_atomic(_marker(ctx.settings.state_dir, key),
                           {"pid": child.pid, "start": ctx.host.start_time(child.pid),
                            "criu_pid": criu_pid})
 
@@ -90,26 +92,27 @@ def vmm_dir(run_path: Path) -> Path:
     return run_path.with_suffix(VMM_SUFFIX)
 
 
-def _marker(state_dir: str, cid: str, *, create: bool = True) -> Path:
+def _marker(state_dir: str, key: str, *, create: bool = True) -> Path:
     from pathlib import Path
 
     from cudahook.platform.privdir import ensure_private_dir
-    from cudahook.platform.store import check_id
+    from cudahook.platform.store import check_key
 
     d = Path(state_dir) / "guardians"
     if create:
         d = ensure_private_dir(ensure_private_dir(Path(state_dir)) / "guardians")
-    return d / f"{check_id(cid)}.json"
+    return d / f"{check_key(key)}.json"
 
 
-def pending(ctx: Any, cid: str | None) -> tuple[int, int] | None:
-    """The (pid, start time) of a guardian of this container that is still
-    alive, if any: it may be about to bring processes back, or be doing it."""
-    if not cid:
+def pending(ctx: Any, key: str | None) -> tuple[int, int] | None:
+    """The (pid, start time) of a guardian of this container (by its
+    containers.lock_key) that is still alive, if any: it may be about to
+    bring processes back, or be doing it."""
+    if not key:
         return None
     from cudahook.platform.store import read_json
 
-    path = _marker(ctx.settings.state_dir, cid, create=False)  # reading makes nothing
+    path = _marker(ctx.settings.state_dir, key, create=False)  # reading makes nothing
     data = read_json(path)
     if not isinstance(data, dict):
         return None
@@ -126,7 +129,7 @@ def pending(ctx: Any, cid: str | None) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
-def exclusive(ctx: Any, cid: str | None, busy_wait_s: float, what: str) -> Iterator[None]:
+def exclusive(ctx: Any, key: str | None, busy_wait_s: float, what: str) -> Iterator[None]:
     """The container's busy lock (Busy after busy_wait_s: EnvironmentProblem),
     with no guardian of the container still alive: that one may be about
     to bring processes back onto their GPU, and a checkpoint or restore
@@ -141,17 +144,17 @@ def exclusive(ctx: Any, cid: str | None, busy_wait_s: float, what: str) -> Itera
     while True:
         held = contextlib.ExitStack()
         try:
-            held.enter_context(busy.hold(ctx.settings.state_dir, cid, busy_wait_s))
+            held.enter_context(busy.hold(ctx.settings.state_dir, key, busy_wait_s))
         except busy.Busy as exc:
             raise EnvironmentProblem(f"{what}: {exc}") from exc
-        other = pending(ctx, cid)
+        other = pending(ctx, key)
         if other is None:
             break
         held.close()
         left = deadline - time.monotonic()
         if left <= 0 or not wait_exit(*other, ctx.host, max_wait_s=left):
             raise EnvironmentProblem(
-                f"{what}: the guardian of an earlier checkpoint of container {cid} "
+                f"{what}: the guardian of an earlier checkpoint of container {key} "
                 f"(pid {other[0]}) still runs after {ctx.settings.guardian_wait_s:g}s: "
                 "retry once it has brought the workload back; nothing was locked")
     with held:
@@ -264,20 +267,22 @@ def _how(args: dict[str, Any]) -> tuple[str, str | None, Any]:
 def main(arg: str) -> int:
     args = json.loads(arg)
     cid = args.get("container")
+    # One armed before keys named its marker by the container id.
+    key = args.get("key", cid)
     try:
         return _guard(args, cid)
     finally:
-        if cid:
-            _unmark(args, cid)
+        if key:
+            _unmark(args, key)
 
 
-def _unmark(args: dict[str, Any], cid: str) -> None:
+def _unmark(args: dict[str, Any], key: str) -> None:
     """Remove this guardian's marker (only its own: a later one may have
     replaced it)."""
     from cudahook.platform.store import read_json
 
     with contextlib.suppress(Exception):
-        path = _marker(args["settings"]["state_dir"], cid, create=False)
+        path = _marker(args["settings"]["state_dir"], key, create=False)
         data = read_json(path)
         if isinstance(data, dict) and data.get("pid") == os.getpid():
             path.unlink()
@@ -339,7 +344,7 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
         time.sleep(0.05)
         alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
     try:
-        with _busy(ctx, cid):
+        with _busy(ctx, args.get("key", cid)):
             # Only what a checkpoint left behind: a process that was never
             # locked, or that the action script rolled back, runs already.
             states, unread = ctx.engine.read_states(alive, Timeline())

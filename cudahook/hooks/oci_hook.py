@@ -14,7 +14,7 @@ import sys
 import time
 
 from cudahook.platform.errors import CudahookError, Exit, StateError, UsageError, one_line, report
-from cudahook.platform.marks import mark
+from cudahook.platform.marks import mark, unmark_container
 
 from . import annotations as ann
 from . import oci_bundle, oci_state
@@ -82,11 +82,12 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
     # Only what cudahook uses is checked: a detail of the runtime-spec
     # schema it does not use must not stop a container.
     from cudahook.platform import config
-    from cudahook.platform.store import check_id
+    from cudahook.platform.store import check_id, container_key
 
     from .context import Context
 
     cid = check_id(state["id"])
+    key = container_key(cid, state["bundle"])
     pid = _pid(state)
     ctx = Context(config.load())
     start = None
@@ -97,12 +98,9 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
             raise UsageError(f"container {cid}: init PID {pid} does not exist") from None
     # The mark first: without it poststop's shell would never start Python
     # and the record would outlive the container.
-    try:
-        mark("gpu", cid)
-    except OSError as exc:
-        raise StateError(f"container {cid}: cannot leave its mark: {exc.strerror}") from None
-    with ctx.store.locked(cid):
-        record = ctx.store.load(cid) or {"id": cid, "created": time.time()}
+    _mark(cid)
+    with ctx.store.locked(key):
+        record = ctx.store.load(key) or {"id": cid, "created": time.time()}
         restored = bool(record.get("pid")) and record.get("pid") != pid
         restores = record.get("restores")
         record.update(
@@ -117,33 +115,53 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
         )
         if restored:
             record["restores"] = (restores if type(restores) is int else 0) + 1
-        ctx.store.save(cid, record)
+        ctx.store.save(key, record)
+    # Again once the record is there: a poststop of another container of
+    # this id may have cleared it meanwhile, before it could see the record
+    # (see marks.unmark_container).
+    _mark(cid)
     ctx.log(f"oci-{stage}", container=cid, pid=pid, visible=info.visible)
     return Exit.OK
 
 
+def _mark(cid: str) -> None:
+    try:
+        mark("gpu", cid)
+    except OSError as exc:
+        raise StateError(f"container {cid}: cannot leave its mark: {exc.strerror}") from None
+
+
 def on_poststop(state: dict) -> int:  # type: ignore[type-arg]
     from cudahook.platform import config
-    from cudahook.platform.store import Store, check_id
+    from cudahook.platform.store import Store, check_id, container_key
 
     settings = config.load()
     store = Store(settings.state_dir)
     cid = check_id(state["id"])
-    record = store.load(cid)
-    with contextlib.suppress(OSError):
-        mark("gpu", cid, on=False)
+    key = container_key(cid, state["bundle"])
+    record = store.load(key)
+    if record is None:
+        # A record written before keys is named by the bare id: this
+        # container's only if it has this bundle.
+        older = store.load(cid)
+        if older is not None and older.get("bundle") == state["bundle"]:
+            key, record = cid, older
     # The CRIU configuration the runtime wrapper gave it (gpu-only
     # registration): a restore through the wrapper writes it again.
     from cudahook.platform import criuconf
 
-    criuconf.remove(settings.state_dir, cid)
+    criuconf.remove(settings.state_dir, key)
     if record is None:
+        with contextlib.suppress(OSError):
+            unmark_container(settings.state_dir, cid)
         return Exit.OK
     if isinstance(record.get("snapshot_control"), str) and isinstance(record.get("vmm_sockets"), dict):
         from cudahook.vmm.sockets import remove_owned_sockets
 
         remove_owned_sockets(record["snapshot_control"], record["vmm_sockets"])
-    store.delete(cid)
+    store.delete(key)
+    with contextlib.suppress(OSError):
+        unmark_container(settings.state_dir, cid)
     from cudahook.platform.eventlog import log
 
     log(settings.log_file, "oci-poststop", container=cid)

@@ -92,7 +92,9 @@ def add_hooks(bundle: str, hook: str, cid: str | None = None) -> bool:
         # The action script sits beside the OCI hook.
         script = os.path.join(os.path.dirname(hook), ACTION_NAME)
         try:
-            changed |= point_criu_config(cfg, script, cid)
+            from cudahook.platform.store import container_key
+
+            changed |= point_criu_config(cfg, script, container_key(cid, bundle))
         except Exception as exc:  # the hooks still go in; the caller reports it
             problem = exc
     if changed:

@@ -1,9 +1,12 @@
 """Whether a cudahook operation is moving a container's CUDA processes now.
 
 A checkpoint (pre-dump), and the guardian while it restores, hold the
-container's busy lock exclusively. `cudahook status` takes it shared without
-waiting and, if it cannot, probes nothing: a cuda-checkpoint call on a
-process in the middle of a lock or checkpoint can hang or disturb it. While
+container's busy lock exclusively. It is named by the container's key
+(store.container_key), or, for a container without a record, by its init
+(store.init_key): two CRIU dumps of one container serialise either way.
+`cudahook status` takes it shared without waiting and, if it cannot, probes
+nothing: a cuda-checkpoint call on a process in the middle of a lock or
+checkpoint can hang or disturb it. While
 status holds it, a checkpoint waits for it, for a bounded time. The lock is
 an flock: it dies with its holder, so a killed hook leaves nothing held.
 """
@@ -17,25 +20,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .privdir import ensure_private_dir
-from .store import LockTimeout, check_id, lock_file, names_file
+from .store import LockTimeout, check_key, lock_file, names_file
 
 
 class Busy(Exception):
     """Another operation held the container's lock past the wait."""
 
 
-def _path(state_dir: str | os.PathLike[str], container_id: str) -> Path:
+def _path(state_dir: str | os.PathLike[str], key: str) -> Path:
     d = ensure_private_dir(ensure_private_dir(Path(state_dir)) / "busy")
-    return d / f"{check_id(container_id)}.lock"
+    return d / f"{check_key(key)}.lock"
 
 
-def _open(state_dir: str, container_id: str) -> int:
-    return os.open(_path(state_dir, container_id),
+def _open(state_dir: str, key: str) -> int:
+    return os.open(_path(state_dir, key),
                    os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 @contextlib.contextmanager
-def hold(state_dir: str, container_id: str | None, wait_s: float, *,
+def hold(state_dir: str, key: str | None, wait_s: float, *,
          required: bool = True) -> Iterator[None]:
     """Hold the container's lock exclusively; Busy after wait_s. Not
     `required`: go on without it instead (after the wait, or when the lock
@@ -43,12 +46,12 @@ def hold(state_dir: str, container_id: str | None, wait_s: float, *,
     The waiting, and starting over on a file removed meanwhile (see
     remove), are the state store's lock_file."""
     fd = None
-    if container_id:
+    if key:
         try:
-            fd = lock_file(_path(state_dir, container_id), timeout_s=wait_s)
+            fd = lock_file(_path(state_dir, key), timeout_s=wait_s)
         except LockTimeout:
             if required:
-                raise Busy(f"another cudahook operation on container {container_id} "
+                raise Busy(f"another cudahook operation on container {key} "
                            f"still runs after {wait_s:g}s") from None
         except Exception:
             if required:
@@ -61,26 +64,26 @@ def hold(state_dir: str, container_id: str | None, wait_s: float, *,
 
 
 @contextlib.contextmanager
-def peek(state_dir: str, container_id: str) -> Iterator[bool]:
+def peek(state_dir: str, key: str) -> Iterator[bool]:
     """True (and held shared until the block ends) if nothing is moving the
     container's processes; False at once if something is."""
-    fd = _open(state_dir, container_id)
+    fd = _open(state_dir, key)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             yield False
             return
-        yield _still_named(fd, state_dir, container_id)
+        yield _still_named(fd, state_dir, key)
     finally:
         os.close(fd)
 
 
-def remove(state_dir: str | os.PathLike[str], container_id: str) -> bool:
+def remove(state_dir: str | os.PathLike[str], key: str) -> bool:
     """Delete a gone container's lock file, only while nobody holds it (the
     state directory is RAM). Whoever opened it before the unlink finds, once
     it gets the lock, that the path no longer names it, and starts over."""
-    path = Path(state_dir) / "busy" / f"{check_id(container_id)}.lock"
+    path = Path(state_dir) / "busy" / f"{check_key(key)}.lock"
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -97,5 +100,5 @@ def remove(state_dir: str | os.PathLike[str], container_id: str) -> bool:
         os.close(fd)
 
 
-def _still_named(fd: int, state_dir: str | os.PathLike[str], container_id: str) -> bool:
-    return names_file(Path(state_dir) / "busy" / f"{container_id}.lock", fd)
+def _still_named(fd: int, state_dir: str | os.PathLike[str], key: str) -> bool:
+    return names_file(Path(state_dir) / "busy" / f"{key}.lock", fd)

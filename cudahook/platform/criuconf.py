@@ -12,8 +12,9 @@ Two ways to register (the operator's choice, `--criu-registration`):
   `action-script` line added. Other containers run CRIU without it; a
   container created without the wrapper is not covered.
 
-The per-container copies live in `<state_dir>/criu/<container id>.conf`,
-at most MAX_FILES of them; poststop removes a container's copy.
+The per-container copies live in `<state_dir>/criu/<container key>.conf`
+(store.container_key: two containers of one id under two runtime roots
+have two), at most MAX_FILES of them; poststop removes a container's copy.
 Standard library only: install.sh runs this before any virtual environment.
 """
 
@@ -118,24 +119,24 @@ def conf_dir(state_dir: str | os.PathLike[str]) -> Path:
     return Path(state_dir) / SUBDIR
 
 
-def conf_path(state_dir: str | os.PathLike[str], container_id: str) -> Path:
-    """The copy's path; UsageError for an id the state directory never names."""
-    from .store import check_id
+def conf_path(state_dir: str | os.PathLike[str], key: str) -> Path:
+    """The copy's path; UsageError for a key the state directory never names."""
+    from .store import check_key
 
-    return conf_dir(state_dir) / f"{check_id(container_id)}.conf"
+    return conf_dir(state_dir) / f"{check_key(key)}.conf"
 
 
 def is_copy(path: str, state_dir: str | os.PathLike[str]) -> bool:
     return os.path.dirname(os.path.normpath(path)) == str(conf_dir(state_dir))
 
 
-def write(state_dir: str | os.PathLike[str], container_id: str, text: str) -> Path:
+def write(state_dir: str | os.PathLike[str], key: str, text: str) -> Path:
     """Write a container's copy (0600 in a root-only directory). Past
     MAX_FILES copies, stale ones go first; if none is, raises OSError."""
     from .atomic import write_atomic
     from .privdir import ensure_private_dir
 
-    path = conf_path(state_dir, container_id)
+    path = conf_path(state_dir, key)
     ensure_private_dir(Path(state_dir))
     ensure_private_dir(path.parent)
     if not path.exists() and len(os.listdir(path.parent)) >= MAX_FILES:
@@ -146,14 +147,14 @@ def write(state_dir: str | os.PathLike[str], container_id: str, text: str) -> Pa
     return path
 
 
-def remove(state_dir: str | os.PathLike[str], container_id: str) -> None:
-    with contextlib.suppress(UsageError):  # not an id runc accepts: never written
-        conf_path(state_dir, container_id).unlink(missing_ok=True)
+def remove(state_dir: str | os.PathLike[str], key: str) -> None:
+    with contextlib.suppress(UsageError):  # not a key: never written
+        conf_path(state_dir, key).unlink(missing_ok=True)
 
 
 def prune(state_dir: str | os.PathLike[str], *, now: float | None = None) -> int:
     """Remove copies of containers without a record in the state directory
-    (the store's containers/<id>.json), once older than STALE_S. Returns how
+    (the store's containers/<key>.json), once older than STALE_S. Returns how
     many went."""
     d = conf_dir(state_dir)
     try:

@@ -1,5 +1,6 @@
 """Marks: empty files the hooks' shell fast paths test before they start
-Python (`gpu/<container id>`: a GPU container to forget at poststop;
+Python (`gpu/<container id>`: a GPU container - or several, under several
+runtime roots - to forget at poststop;
 `restore/<criu pid>`: post-resume has CUDA state to restore). They live at a
 fixed place under the node root, not under the configurable state
 directory, because the shell reads no configuration.
@@ -11,7 +12,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from . import paths
+from . import paths, store
 from .privdir import ensure_private_dir
 from .store import check_id
 
@@ -32,6 +33,27 @@ def mark(kind: str, key: str, *, on: bool = True) -> None:
         os.close(fd)
     else:
         path.unlink(missing_ok=True)
+
+
+def unmark_container(state_dir: str | os.PathLike[str], container_id: str) -> None:
+    """Clear a gone container's GPU mark, unless another container of that
+    id (under another runtime root) still has a record: the shell knows only
+    the id. Cleared first and set again when one is found: a create that
+    wrote its record meanwhile is seen here, and one that writes it later
+    sets its mark again after (see oci_hook.on_create), so a live GPU
+    container never stays without its mark."""
+    mark("gpu", container_id, on=False)
+    try:
+        names = os.listdir(Path(state_dir) / "containers")
+    except OSError:
+        return
+    # Records are named by the key, which starts with the id (store.container_key);
+    # one written before keys by the id alone. A longer id cut to the same
+    # start only keeps a mark that costs a Python start.
+    prefix = check_id(container_id)[:store.ID_CUT] + "@"
+    if any(n.endswith(".json") and (n.startswith(prefix) or n == f"{container_id}.json")
+           for n in names):
+        mark("gpu", container_id)
 
 
 def prune_restore_marks() -> None:

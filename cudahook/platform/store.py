@@ -12,6 +12,11 @@ grace period), a container's record and lock at poststop (or, when poststop
 never ran, once its init is gone and the retention time has passed), and
 the last results of a gone container after the retention time (and beyond
 the newest HISTORY_MAX).
+
+A container's state is named by its key (container_key), never by its id
+alone: an id is unique only within one runc --root, containerd namespace or
+podman storage, and two containers of one id would otherwise share a record,
+a lock and a CRIU configuration.
 """
 
 from __future__ import annotations
@@ -45,6 +50,60 @@ def check_id(container_id: str) -> str:
     if not isinstance(container_id, str) or not _ID.fullmatch(container_id):
         raise UsageError(f"invalid container id {container_id!r}")
     return container_id
+
+
+# What names a container's state: "<id>@<16 hex digits>" (container_key);
+# "@<init pid>-<its start time>" for a container without a record (init_key);
+# a bare id, as written before keys, still read and swept.
+ID_CUT = 250 - 17
+_KEY = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.+-]{{0,{ID_CUT - 1}}}@[0-9a-f]{{16}}"
+                  r"|@[1-9][0-9]{0,9}-[0-9]{1,20}")
+
+
+def container_key(container_id: str, bundle: str) -> str:
+    """The one identity of a container on this node, which names its state.
+
+    The OCI hooks see the id and the bundle in the runtime's state; the
+    runtime wrapper sees the id and runc's --bundle; the CRIU action script
+    finds the record by its init's PID, and with it the key. The bundle
+    tells apart containers of one id under two runc roots, containerd
+    namespaces or podman storages. runc reports as the bundle its working
+    directory once there, which may be spelt through a symlink (or its
+    caller's $PWD): the real path is what counts. The key starts with the
+    id (cut to fit a file name; the digest covers all of it), for whoever
+    reads the state directory."""
+    import hashlib  # milliseconds: only GPU containers get here
+
+    cid = check_id(container_id)
+    if not isinstance(bundle, str) or not bundle or "\0" in bundle:
+        raise UsageError(f"container {cid}: invalid bundle {bundle!r}")
+    where = os.path.realpath(bundle)
+    digest = hashlib.sha256(f"{cid}\0{where}".encode(errors="surrogateescape")).hexdigest()
+    return f"{cid[:ID_CUT]}@{digest[:16]}"
+
+
+def init_key(pid: int, start: int) -> str:
+    """What serialises the checkpoints of a container the OCI hook never
+    recorded (created before cudahook, or by a runtime without the hook):
+    its init process, which every CRIU run of it names."""
+    if type(pid) is not int or type(start) is not int or pid <= 0 or start < 0:
+        raise UsageError(f"invalid init process {pid!r} (start {start!r})")
+    return f"@{pid}-{start}"
+
+
+def check_key(key: str) -> str:
+    """A key (or a bare id of an older record); UsageError for anything else."""
+    if not isinstance(key, str) or not (_KEY.fullmatch(key) or _ID.fullmatch(key)):
+        raise UsageError(f"invalid container id {key!r}")
+    return key
+
+
+def init_of(key: str) -> tuple[int, int] | None:
+    """The (pid, start time) an init_key names; None for any other key."""
+    if not key.startswith("@"):
+        return None
+    pid, _, start = key[1:].partition("-")
+    return int(pid), int(start)
 
 
 # Records, progress and history files are a few kilobytes; a bigger one was
@@ -122,17 +181,20 @@ class Store:
 
     # -- container records ---------------------------------------------------
 
-    def record_path(self, container_id: str) -> Path:
-        return self._dir("containers") / f"{check_id(container_id)}.json"
+    # Each takes the container's key (container_key), or the bare id an
+    # older record is named by.
 
-    def lock_path(self, container_id: str) -> Path:
-        return self._dir("containers") / f"{check_id(container_id)}.lock"
+    def record_path(self, key: str) -> Path:
+        return self._dir("containers") / f"{check_key(key)}.json"
+
+    def lock_path(self, key: str) -> Path:
+        return self._dir("containers") / f"{check_key(key)}.lock"
 
     @contextlib.contextmanager
-    def locked(self, container_id: str, timeout_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    def locked(self, key: str, timeout_s: float = LOCK_WAIT_S) -> Iterator[None]:
         """Hold the container's lock; StateError after `timeout_s` of waiting
         (a hook that waits forever holds up the runtime, or CRIU)."""
-        path = self.lock_path(container_id)
+        path = self.lock_path(key)
         fd = lock_file(path, timeout_s=timeout_s)
         assert fd is not None
         try:
@@ -140,47 +202,58 @@ class Store:
         finally:
             os.close(fd)
 
-    def load(self, container_id: str) -> dict[str, Any] | None:
+    def load(self, key: str) -> dict[str, Any] | None:
         """The record, if there is one of the shape cudahook writes."""
-        record = read_json(self.record_path(container_id))
+        record = read_json(self.record_path(key))
         return record if isinstance(record, dict) else None
 
-    def save(self, container_id: str, record: dict[str, Any]) -> None:
-        write_json_atomic(self.record_path(container_id), record)
+    def find(self, container_id: str) -> dict[str, Any] | None:
+        """The record of the one container named `container_id` (or whose
+        key it is); None when there is none, or more than one of that id
+        (under two runtime roots: only its key tells which)."""
+        record = self.load(container_id)
+        if record is not None:
+            return {**record, "key": container_id}
+        same = [r for r in self.records() if r.get("id") == container_id]
+        return same[0] if len(same) == 1 else None
 
-    def update(self, container_id: str, **fields: Any) -> dict[str, Any]:
-        with self.locked(container_id):
-            record = self.load(container_id) or {"id": container_id}
+    def save(self, key: str, record: dict[str, Any]) -> None:
+        write_json_atomic(self.record_path(key), {k: v for k, v in record.items() if k != "key"})
+
+    def update(self, key: str, **fields: Any) -> dict[str, Any]:
+        with self.locked(key):
+            record = self.load(key) or {"id": key.partition("@")[0]}
             record.update(fields)
-            self.save(container_id, record)
+            self.save(key, record)
             return record
 
-    def delete(self, container_id: str) -> None:
+    def delete(self, key: str) -> None:
         """Forget the record and its lock file (the last results stay, for
         `cudahook status`). The lock file goes while held: a hook that was
         waiting on it finds it unlinked once it gets it, and starts over on
         a new one (see lock_file), so two writers are never in at once."""
-        self._delete(container_id, wait=True)
+        self._delete(key, wait=True)
 
-    def _delete(self, container_id: str, *, wait: bool) -> bool:
-        path = self.lock_path(container_id)
+    def _delete(self, key: str, *, wait: bool) -> bool:
+        path = self.lock_path(key)
         fd = lock_file(path, wait=wait)
         if fd is None:
             return False
         try:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.record_path(container_id))
+                os.unlink(self.record_path(key))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             from .busy import remove
 
             with contextlib.suppress(OSError):
-                remove(self.root, container_id)  # held by a checkpoint: next prune
+                remove(self.root, key)  # held by a checkpoint: next prune
         finally:
             os.close(fd)
         return True
 
     def records(self) -> list[dict[str, Any]]:
+        """Every record, each with its key (the name it is stored under)."""
         d = self.root / "containers"
         if not d.is_dir():
             return []
@@ -188,7 +261,7 @@ class Store:
         for p in sorted(d.glob("*.json")):
             rec = read_json(p)
             if isinstance(rec, dict):
-                out.append(rec)
+                out.append({**rec, "key": p.stem})
         return out
 
     def find_by_pid(self, pid: int, start: int | None = None) -> dict[str, Any] | None:
@@ -260,37 +333,45 @@ class Store:
         """Forget containers that are gone without a poststop (their init is
         dead) once `retention_s` has passed, lock files left without a record,
         and gone containers' last results after `retention_s` (and beyond the
-        newest HISTORY_MAX)."""
+        newest HISTORY_MAX), and the busy locks of gone inits (init_key)."""
         now = time.time() if now is None else now
         cutoff = now - retention_s
         removed = 0
         d = self.root / "containers"
         live: set[str] = set()
+        live_ids: set[str] = set()
         for p in sorted(d.iterdir()) if d.is_dir() else ():
-            cid, dot, ext = p.name.rpartition(".")
-            if not dot or ext not in ("json", "lock") or not _ID.fullmatch(cid):
+            key, dot, ext = p.name.rpartition(".")
+            if not dot or ext not in ("json", "lock") or not (_KEY.fullmatch(key)
+                                                              or _ID.fullmatch(key)):
                 continue
-            if cid in live or not os.path.lexists(p):  # gone with its record above
+            if key in live or not os.path.lexists(p):  # gone with its record above
                 continue
+            cid = key.partition("@")[0]
             if ext == "json":
                 rec = read_json(p)
+                if isinstance(rec, dict) and isinstance(rec.get("id"), str):
+                    cid = rec["id"]
                 if isinstance(rec, dict) and process_alive(rec.get("pid"), rec.get("pid_start")):
-                    live.add(cid)
+                    live.add(key)
+                    live_ids.add(cid)
                     continue
-            elif (d / f"{cid}.json").exists():
+            elif (d / f"{key}.json").exists():
                 continue
             if not _older(p, cutoff):
                 continue
             # Never waits: a hook busy with that container has a reason to be,
             # and the hooks prune right after a checkpoint, which must end.
-            if not self._delete(cid, wait=False):
-                live.add(cid)
+            if not self._delete(key, wait=False):
+                live.add(key)
+                live_ids.add(cid)
                 continue
-            from .marks import mark
+            from .marks import unmark_container
 
-            with contextlib.suppress(OSError):
-                mark("gpu", cid, on=False)
+            with contextlib.suppress(OSError, UsageError):
+                unmark_container(self.root, cid)
             removed += 1
+        removed += self._prune_init_locks()
         h = self.root / "history"
         entries = []
         for p in h.glob("*.json") if h.is_dir() else ():
@@ -298,12 +379,28 @@ class Store:
                 entries.append((p.stat().st_mtime, p))
         entries.sort(reverse=True)
         for i, (mtime, p) in enumerate(entries):
-            if p.stem in live or (i < HISTORY_MAX and mtime >= cutoff):
+            if p.stem in live_ids or (i < HISTORY_MAX and mtime >= cutoff):
                 continue
             with contextlib.suppress(OSError):
                 p.unlink()
                 removed += 1
         return removed
+
+
+    def _prune_init_locks(self) -> int:
+        """Busy locks of record-less containers whose init is gone (a lock
+        held now is kept: busy.remove takes it first)."""
+        from .busy import remove
+
+        d = self.root / "busy"
+        gone = 0
+        for name in os.listdir(d) if d.is_dir() else ():
+            key = name[:-5] if name.endswith(".lock") else ""
+            init = init_of(key) if _KEY.fullmatch(key) else None
+            if init is not None and not process_alive(*init):
+                with contextlib.suppress(OSError):
+                    gone += remove(self.root, key)
+        return gone
 
 
 def _older(path: Path, cutoff: float) -> bool:

@@ -12,6 +12,7 @@ import pytest
 
 from cudahook.admin.configure import configure
 from cudahook.platform import criuconf
+from cudahook.platform.store import container_key
 from cudahook.sim.runcbox import RuncBox
 
 from .conftest import CRIU, needs_runc
@@ -61,7 +62,7 @@ def test_gpu_only_covers_gpu_containers_and_spares_the_rest(node, tmp_path: Path
     cid = env.cid()
     r = box.run(cid, bundle)
     assert r.returncode == 0, r.stderr
-    copy = env.state_dir / "criu" / f"{cid}.conf"
+    copy = env.state_dir / "criu" / f"{container_key(cid, str(bundle))}.conf"
     notes = json.loads((bundle / "config.json").read_text())["annotations"]
     assert notes["org.criu.config"] == str(copy)
     assert copy.read_text().splitlines() == [SITE_OPTION, criuconf.COMMENT,
@@ -110,4 +111,4 @@ def test_gpu_only_covers_gpu_containers_and_spares_the_rest(node, tmp_path: Path
     assert "action-script" not in (Path(f"{pimage}.rwork") / "restore.log").read_text(
         errors="replace")
     assert len(env.events()) == events  # no hook of cudahook's ran for it
-    assert sorted(p.name for p in (env.state_dir / "criu").iterdir()) == [f"{cid}.conf"]
+    assert sorted(p.name for p in (env.state_dir / "criu").iterdir()) == [copy.name]

@@ -1,0 +1,110 @@
+"""Two GPU containers of one name under two runc roots, through real runc and
+CRIU, registered gpu-only: each has its own CRIU configuration (the second
+one's with its own options), both checkpoint and restore intact, and the
+poststop of one (its dump ends it) leaves the other's configuration, so the
+other's checkpoint still runs the action script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cudahook.admin.configure import configure
+from cudahook.platform import criuconf
+from cudahook.platform.store import Store, container_key
+from cudahook.sim.runcbox import RuncBox
+
+from .conftest import CRIU, needs_runc
+
+pytestmark = needs_runc
+
+NAME = "web"
+
+
+@pytest.fixture
+def node(make_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    root = tmp_path / "root"
+    (root / "etc/criu").mkdir(parents=True)
+    (root / "etc/criu/runc.conf").write_text("tcp-established\n")
+    monkeypatch.setenv("CUDAHOOK_ROOT", str(root))
+    env = make_env()
+    configure("runc", env.hooks, root=str(root), criu_registration="gpu-only")
+    wrapper = str(env.hooks / "cudahook-runtime")
+    boxes = [RuncBox(tmp_path / f"runc-{n}", env.lab, criu=CRIU, runc=wrapper) for n in "ab"]
+    yield env, boxes
+    for box in boxes:
+        box.close()
+
+
+def own_cgroup(bundle: Path, where: str) -> None:
+    """runc's default cgroup is /<id>: containers of one name under two roots
+    need their own (as containerd, docker and podman give each)."""
+    path = bundle / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.setdefault("linux", {})["cgroupsPath"] = f"/cudahook-test-{where}/{NAME}"
+    path.write_text(json.dumps(cfg))
+
+
+def dump_log(image: Path) -> str:
+    return (Path(f"{image}.work") / "dump.log").read_text(errors="replace")
+
+
+def test_two_runc_roots_one_name(node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    env, (box_a, box_b) = node
+    script = str(env.hooks / "cudahook-criu-action")
+    own = tmp_path / "b-criu.conf"
+    own.write_text("ghost-limit 2M\n")  # b's own CRIU option, in its copy only
+    tags = {"a": ["a.w"], "b": ["b.w"]}
+    bundles = {}
+    for n, box, notes in (("a", box_a, {}), ("b", box_b, {criuconf.ANNOTATION: str(own)})):
+        bundles[n] = box.bundle("gpu", [(f"{n}.w", {"mib": 2})], action_script="system",
+                                annotations=notes)
+        own_cgroup(bundles[n], n)
+        r = box.run(NAME, bundles[n])
+        assert r.returncode == 0, r.stderr
+    copies = {n: env.state_dir / "criu" / f"{container_key(NAME, str(b))}.conf"
+              for n, b in bundles.items()}
+    assert copies["a"] != copies["b"]
+    for n, b in bundles.items():
+        notes = json.loads((b / "config.json").read_text())["annotations"]
+        assert notes[criuconf.ANNOTATION] == str(copies[n])
+        assert f"action-script {script}" in copies[n].read_text()
+    assert "ghost-limit" in copies["b"].read_text() and "ghost-limit" not in copies["a"].read_text()
+    assert len(Store(env.state_dir).records()) == 2
+    env.wait_running(tags["a"] + tags["b"], steps=3)
+
+    # a's dump ends a, and a's poststop runs: b's copy and record stay.
+    image_a = tmp_path / "img-a"
+    r = box_a.checkpoint(NAME, image_a)
+    assert r.returncode == 0, r.stderr
+    log = dump_log(image_a)
+    assert script in log and f"Parsing config file {copies['a']}" in log
+    assert (image_a / "cudahook-manifest.json").exists()
+    assert box_a.state(NAME) is None and not copies["a"].exists()
+    assert copies["b"].exists()
+    assert [r["bundle"] for r in Store(env.state_dir).records()] == [str(bundles["b"])]
+    frozen_a = env.counters(tags["a"])
+
+    # b's checkpoint still runs the action script, with b's own options.
+    image_b = tmp_path / "img-b"
+    r = box_b.checkpoint(NAME, image_b)
+    assert r.returncode == 0, r.stderr
+    log = dump_log(image_b)
+    assert script in log and f"Parsing config file {copies['b']}" in log
+    assert (image_b / "cudahook-manifest.json").exists()
+    assert box_b.state(NAME) is None
+    frozen_b = env.counters(tags["b"])
+    assert len(env.events("checkpoint")) == 2
+
+    # Both restore, each from its own image, and go on from where they were.
+    for n, box, image in (("a", box_a, image_a), ("b", box_b, image_b)):
+        r = box.restore(NAME, bundles[n], image)
+        assert r.returncode == 0, r.stderr
+        assert copies[n].exists()
+    env.wait_running(tags["a"], frozen_a)
+    env.wait_running(tags["b"], frozen_b)
+    restores = env.events("restore")
+    assert len(restores) == 2 and not any(e.get("error") for e in restores)
+    assert len(Store(env.state_dir).records()) == 2
