@@ -39,9 +39,17 @@ def container_for(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, C
 
 def lock_key(ctx: Context, record: dict[str, Any] | None, init_pid: int) -> str | None:
     """What serialises the operations on this container (its busy lock and
-    its guardian's marker): its key when the OCI hook recorded it."""
+    its guardian's marker): its key when the OCI hook recorded it, else its
+    init process, which every CRIU run of it names (None if that is gone)."""
     key = (record or {}).get("key")
-    return key if isinstance(key, str) and key else None
+    if isinstance(key, str) and key:
+        return key
+    from cudahook.platform.store import init_key
+
+    try:
+        return init_key(init_pid, ctx.host.start_time(init_pid))
+    except Exception:
+        return None
 
 
 def visible_gpus(record: dict[str, Any] | None) -> list[str] | None:
