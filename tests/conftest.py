@@ -37,10 +37,12 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def node_untouched() -> Iterator[None]:
-    """Fails the run if anything in the node's watched paths changed."""
+def node_untouched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fails the run if the node's cudahook installation or registrations
+    changed, or its live state holds what only this run writes (see
+    tests/sandbox.py: the node's own cudahook may checkpoint meanwhile)."""
     yield
-    changes = _SANDBOX.changes()
+    changes = _SANDBOX.changes(own=(str(tmp_path_factory.getbasetemp()),))
     _SANDBOX.close()
     assert not changes, "the suite changed the node:\n" + "\n".join(changes[:50])
 

@@ -16,7 +16,15 @@ Two layers:
   containerd and dockerd) inherit the namespace.
 
 `snapshot` digests the watched node paths; the session compares a digest
-taken in the node's own mount namespace before and after the suite.
+taken in the node's own mount namespace before and after the suite. It
+watches what only an install or a registration changes (cudahook's
+installation, configuration, journal, the registrations in runc.conf,
+hooks.d, docker and containerd): the node's own cudahook changes its live
+state (`/run/cudahook`, the marks, its log) whenever a container on the node
+is checkpointed, suite or no suite (another session's suite, whose
+sandbox failed it, included). There the guard looks for this session's
+traces instead (`traces`): a file that names this session's own temporary
+directories (its sandbox, pytest's base directory) was written by it.
 """
 
 from __future__ import annotations
@@ -49,11 +57,18 @@ HIDDEN = (
 )
 HIDDEN_GLOBS = (("/usr/local/bin", "cudahook*"), ("/var/log", "cudahook.log*"))
 
-# Watched for any change; storage directories only by their entries' names
-# (their contents are the node's daemons' business and may change by
-# themselves).
-WATCHED = HIDDEN
-WATCHED_GLOBS = HIDDEN_GLOBS
+# The node's cudahook's live state: it changes whenever a container on the
+# node is checkpointed or restored, so no change of it is the suite's by
+# itself; `traces` tells the suite's writes there apart.
+LIVE = ("/run/cudahook", "/run/cudahook-marks")
+LIVE_GLOBS = (("/var/log", "cudahook.log*"),)
+# Watched for any change: cudahook's installation and registrations;
+# storage directories only by their entries' names (their contents are the
+# node's daemons' business and may change by themselves).
+WATCHED = tuple(p for p in HIDDEN if p not in LIVE)
+WATCHED_GLOBS = tuple(g for g in HIDDEN_GLOBS if g not in LIVE_GLOBS)
+# Live-state files read for traces at most this large.
+TRACE_READ_MAX = 1 << 20
 STORAGE = ("/var/lib/docker", "/var/lib/containerd", "/var/lib/containers",
            "/run/containerd", "/run/docker", "/run/containers")
 
@@ -107,6 +122,38 @@ def snapshot(base: str = "/") -> dict[str, object]:
     return out
 
 
+def traces(base: str, needles: list[str]) -> list[str]:
+    """The node's live-state files under `base` that name one of `needles`
+    (a session's own temporary directories): written by that session, not by
+    the node's own cudahook, whose state names the node's containers."""
+    root = Path(base)
+    paths: list[Path] = [root / p.lstrip("/") for p in LIVE]
+    for d, pattern in LIVE_GLOBS:
+        paths += sorted((root / d.lstrip("/")).glob(pattern))
+    found = []
+    wanted = [n.encode() for n in needles]
+    for top in paths:
+        if not os.path.lexists(top):
+            continue
+        files = [top] if not top.is_dir() or top.is_symlink() else [
+            Path(d, f) for d, _, names in os.walk(top) for f in names]
+        for f in files:
+            try:
+                st = os.lstat(f)
+                if stat.S_ISLNK(st.st_mode):
+                    data = os.readlink(f).encode()
+                elif stat.S_ISREG(st.st_mode):
+                    with open(f, "rb") as fh:
+                        data = fh.read(TRACE_READ_MAX)
+                else:
+                    continue
+            except OSError:
+                continue
+            if any(n in data for n in wanted):
+                found.append(f"the suite wrote {f}")
+    return found
+
+
 def diff(before: dict[str, object], after: dict[str, object]) -> list[str]:
     lines = []
     for k in sorted(set(before) | set(after)):
@@ -135,7 +182,10 @@ def _mount(src: str, target: str, fstype: str | None, flags: int, data: str | No
 class Sandbox:
     """The session's private view of the node (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, node: str = "/") -> None:
+        #: the node's root: "/" for the real node (a directory in the
+        #: guard's own tests)
+        self.node = node
         self.dir = Path(tempfile.mkdtemp(prefix="cudahook-suite-"))
         self.root = self.dir / "root"
         self.root.mkdir()
@@ -147,21 +197,36 @@ class Sandbox:
 
     def _node_snapshot(self) -> dict[str, object]:
         """The snapshot as the node sees it, from outside our namespace."""
+        return self._in_node("snapshot", self.node)  # type: ignore[no-any-return]
+
+    def _in_node(self, name: str, *args: object) -> object:
+        """tests.sandbox.`name`(*args), run where the node's own mounts are seen."""
         if self._ns_fd is None:
-            return snapshot()
-        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
-                "from tests.sandbox import snapshot; print(json.dumps(snapshot()))")
+            return globals()[name](*args)
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import tests.sandbox as s; "
+                "print(json.dumps(getattr(s, sys.argv[2])(*json.loads(sys.argv[3]))))")
         r = subprocess.run(
             ["nsenter", f"--mount=/proc/{os.getpid()}/fd/{self._ns_fd}",
-             sys.executable, "-I", "-c", code, str(Path(__file__).resolve().parents[1])],
+             sys.executable, "-I", "-c", code, str(Path(__file__).resolve().parents[1]),
+             name, json.dumps(args)],
             capture_output=True, text=True, timeout=120, pass_fds=(self._ns_fd,))
         if r.returncode != 0:
-            raise RuntimeError(f"node snapshot failed: {r.stderr.strip()}")
+            raise RuntimeError(f"node {name} failed: {r.stderr.strip()}")
         return json.loads(r.stdout)
 
-    def changes(self) -> list[str]:
+    def watch(self) -> None:
+        """Take the node's snapshot the session's changes are measured from."""
+        self.before = self._node_snapshot()
+
+    def changes(self, own: tuple[str, ...] = ()) -> list[str]:
+        """What changed in the node's installation and registrations since
+        `watch`, and this session's traces in its live state: files naming
+        its sandbox directory or one of `own` (more directories only it
+        uses, such as pytest's base directory of this run)."""
         assert self.before is not None
-        return diff(self.before, self._node_snapshot())
+        needles = [os.path.join(d, "") for d in (str(self.dir), *own)]
+        return (diff(self.before, self._node_snapshot())
+                + self._in_node("traces", self.node, needles))  # type: ignore[operator]
 
     # -- the private view -------------------------------------------------------
 
@@ -169,11 +234,11 @@ class Sandbox:
         os.environ["CUDAHOOK_ROOT"] = str(self.root)
         if os.geteuid() == 0 and shutil.which("nsenter") and self._overlay_works():
             self._ns_fd = os.open("/proc/self/ns/mnt", os.O_RDONLY)
-            self.before = self._node_snapshot()
+            self.watch()
             self._unshare()
             self.private = True
         else:
-            self.before = snapshot()
+            self.watch()
 
     @staticmethod
     def _overlay_works() -> bool:
