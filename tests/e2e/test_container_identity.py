@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from cudahook.admin.configure import configure
+from cudahook.admin.journal import Journal
 from cudahook.platform import criuconf
 from cudahook.platform.store import Store, container_key
 from cudahook.sim.runcbox import RuncBox
 
-from .conftest import CRIU, needs_runc
+from .conftest import CRIU, needs_runc, private_node
 
 pytestmark = needs_runc
 
@@ -108,3 +109,69 @@ def test_two_runc_roots_one_name(node, tmp_path: Path) -> None:  # type: ignore[
     restores = env.events("restore")
     assert len(restores) == 2 and not any(e.get("error") for e in restores)
     assert len(Store(env.state_dir).records()) == 2
+
+
+def _runtimes_missing() -> list[str]:
+    import os
+
+    from .daemons import CONTAINERD, CTR, RUNC, SHIM
+
+    return [b for b in (CONTAINERD, CTR, SHIM, RUNC) if not os.access(b, os.X_OK)]
+
+
+@private_node
+@pytest.mark.skipif(bool(_runtimes_missing()), reason="containerd 1.6 not installed")
+@pytest.mark.skipif(bool(Journal.all("/")), reason="cudahook is installed here")
+def test_runc_and_containerd_one_name(tmp_path: Path) -> None:
+    """A runc container and a containerd task of one name, both GPU
+    containers through cudahook as install.sh registers it: each keeps its
+    record through the other's checkpoint, poststop and restore."""
+    from .daemons import Containerd, image_tar
+    from .test_runtimes import IMAGE, gpu_spec, installed_node, python_rootfs, run_gpu_task
+
+    image = image_tar(tmp_path / "python-host.tar", python_rootfs(tmp_path / "rootfs"),
+                      name=IMAGE, cmd=("/bin/sh",))
+    with installed_node(tmp_path / "n", "containerd") as node, \
+            Containerd(tmp_path / "containerd", path_prefix=node.libexec / "runc-path") as c:
+        spec = gpu_spec(node.lab, "ctd")
+        _, task_bundle = run_gpu_task(node, c, image, spec, NAME)
+        box = RuncBox(tmp_path / "runc", node.lab, criu=CRIU,
+                      runc=str(node.libexec / "cudahook-runtime"))
+        try:
+            bundle = box.bundle("gpu", [("rc.w", {"mib": 2})], action_script="system")
+            r = box.run(NAME, bundle)
+            assert r.returncode == 0, r.stderr
+            node.wait_running(["rc.w"], steps=3)
+            store = Store(node.state_dir)
+            keys = {container_key(NAME, str(b)) for b in (bundle, task_bundle)}
+            assert {r["key"] for r in store.records()} == keys
+
+            # runc's dump ends its container: its poststop leaves the task's record.
+            image_r = tmp_path / "img-runc"
+            r = box.checkpoint(NAME, image_r)
+            assert r.returncode == 0, r.stderr
+            assert (image_r / "cudahook-manifest.json").exists()
+            frozen = node.counters(["rc.w"])
+            assert [r["key"] for r in store.records()] == [container_key(NAME, str(task_bundle))]
+
+            # The task checkpoints (left running: its guardian resumes it),
+            # then goes; its poststop leaves nothing of the runc container's.
+            ref = "cudahook/one-name:1"
+            c.checkpoint(NAME, ref)
+            node.wait_event(NAME, "guardian", lambda e: "resumed" in e.get("outcome", ""))
+            after = node.wait_running(spec.tags, steps=5)
+            c.remove(NAME)
+            assert store.records() == []
+
+            # Both come back, each from its own image, each with its own record.
+            r = box.restore(NAME, bundle, image_r)
+            assert r.returncode == 0, r.stderr
+            c.restore(NAME, ref)
+            node.wait_running(["rc.w"], frozen)
+            node.wait_running(spec.tags, {t: 0 for t in after})
+            assert {r["key"] for r in store.records()} == keys
+            restores = node.events(NAME, "restore")
+            assert len(restores) == 2 and not any(e.get("error") for e in restores)
+            c.remove(NAME)
+        finally:
+            box.close()

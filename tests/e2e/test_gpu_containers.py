@@ -3,7 +3,6 @@ real runc and CRIU and the simulated GPU."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
@@ -11,6 +10,7 @@ import pytest
 import yaml
 
 from cudahook.core import manifest
+from cudahook.platform.store import Store, container_key
 
 from .conftest import needs_runc, tree_digest
 from .outcomes import assert_nothing_restored, container_pids, image_hashes
@@ -54,8 +54,8 @@ def test_round_trip(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
     restores = env.events("restore")
     assert len(restores) == 1 and not restores[0].get("error")
     assert sorted(restores[0]["pids"]) != []
-    record = json.loads((env.state_dir / "containers" / f"{cid}.json").read_text())
-    assert record["pid"] == env.box.state(cid)["pid"]  # updated by the hook on restore
+    record = Store(env.state_dir).load(container_key(cid, str(bundle)))
+    assert record is not None and record["pid"] == env.box.state(cid)["pid"]  # updated by the hook on restore
 
 
 def test_leave_running_goes_on_intact(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -29,6 +29,7 @@ import pytest
 
 from cudahook.admin.journal import Journal
 from cudahook.core import manifest
+from cudahook.platform.store import Store
 from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import STAND_IN_NODE, guest_binds, guest_env
 
@@ -111,8 +112,8 @@ def assert_hooked(node: Node, podman: Podman, name: str) -> None:
     spec = json.loads(Path(info["OCIConfigPath"]).read_text())
     want = str(node.libexec / "cudahook-oci-hook")
     assert [h["path"] for h in spec["hooks"].get("prestart", [])] == [want], spec["hooks"]
-    record = json.loads((node.state_dir / "containers" / f"{cid}.json").read_text())
-    assert record["pid"] == pid and record["visible"] == node.lab.uuids[:1], record
+    record = Store(node.state_dir).find(cid)
+    assert record is not None and record["pid"] == pid and record["visible"] == node.lab.uuids[:1], record
     assert "sleep" in comms_in_pidns(pid)
 
 
@@ -156,11 +157,10 @@ def test_checkpoint_then_restore(node: Node, podman: Podman) -> None:
     node.assert_no_errors(cid)
     # podman runs the poststop hook itself when the container goes.
     podman("rm", "-f", "-t", "0", name)
-    record = node.state_dir / "containers" / f"{cid}.json"
     deadline = time.monotonic() + 20
-    while record.exists() and time.monotonic() < deadline:
+    while Store(node.state_dir).find(cid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not record.exists(), "poststop did not run"
+    assert Store(node.state_dir).find(cid) is None, "poststop did not run"
 
 
 def test_leave_running(node: Node, podman: Podman) -> None:

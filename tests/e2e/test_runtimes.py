@@ -36,6 +36,7 @@ import pytest
 import yaml
 
 from cudahook.admin.journal import Journal
+from cudahook.platform.store import Store, container_key
 from cudahook.sim.lab import SimLab
 from cudahook.sim.runcbox import guest_binds, guest_env
 
@@ -364,8 +365,8 @@ def assert_hooked(node: Node, cid: str, bundle: Path, pid: int) -> None:
     want = str(node.libexec / "cudahook-oci-hook")
     for stage in ("createRuntime", "poststop"):
         assert [h["path"] for h in hooks.get(stage, [])] == [want], hooks
-    record = json.loads((node.state_dir / "containers" / f"{cid}.json").read_text())
-    assert record["pid"] == pid and record["visible"] == node.lab.uuids[:1], record
+    record = Store(node.state_dir).load(container_key(cid, str(bundle)))
+    assert record is not None and record["pid"] == pid and record["visible"] == node.lab.uuids[:1], record
     assert "sleep" in comms_in_pidns(pid)
 
 
@@ -440,7 +441,7 @@ def test_containerd_with_gpu_only_criu_registration(node: Node, image: Path,
         tags, cid, ref = spec.tags, f"gpu-{uuid.uuid4().hex[:8]}", "cudahook/gpu-only:1"
         with Containerd(tmp_path / "containerd", path_prefix=shim_path) as c:
             _, bundle = run_gpu_task(node, c, image, spec, cid)
-            copy = node.state_dir / "criu" / f"{cid}.conf"
+            copy = node.state_dir / "criu" / f"{container_key(cid, str(bundle))}.conf"
             notes = json.loads((bundle / "config.json").read_text())["annotations"]
             assert notes["org.criu.config"] == str(copy)
             assert f"action-script {script}" in copy.read_text().splitlines()
