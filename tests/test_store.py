@@ -454,8 +454,17 @@ def test_busy_locks_of_gone_inits_are_pruned(tmp_path: Path) -> None:
         for key in (live_key, dead_key):
             with busy.hold(str(tmp_path), key, 1.0):
                 pass
+        # Guardian markers: a killed guardian's of a gone init goes; a live
+        # guardian's stays, as does any marker of a live init.
+        (tmp_path / "guardians").mkdir()
+        me = {"pid": os.getpid(), "start": host.start_time(os.getpid())}
+        for key, guard in ((live_key, {"pid": gone.pid, "start": 1}), (dead_key, me),
+                           (store.init_key(gone.pid, 777), {"pid": gone.pid, "start": 1})):
+            write_json_atomic(tmp_path / "guardians" / f"{key}.json", guard)
         s.prune(0.0)
         assert sorted(os.listdir(tmp_path / "busy")) == [f"{live_key}.lock"]
+        assert sorted(os.listdir(tmp_path / "guardians")) == sorted(
+            [f"{live_key}.json", f"{dead_key}.json"])
     finally:
         alive.kill()
         alive.wait()

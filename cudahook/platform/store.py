@@ -389,17 +389,28 @@ class Store:
 
     def _prune_init_locks(self) -> int:
         """Busy locks of record-less containers whose init is gone (a lock
-        held now is kept: busy.remove takes it first)."""
+        held now is kept: busy.remove takes it first), and the markers of
+        guardians of such containers that were killed before they could
+        remove their own (a live one's is kept)."""
         from .busy import remove
 
-        d = self.root / "busy"
         gone = 0
-        for name in os.listdir(d) if d.is_dir() else ():
-            key = name[:-5] if name.endswith(".lock") else ""
-            init = init_of(key) if _KEY.fullmatch(key) else None
-            if init is not None and not process_alive(*init):
+        for sub, ext in (("busy", ".lock"), ("guardians", ".json")):
+            d = self.root / sub
+            for name in os.listdir(d) if d.is_dir() else ():
+                key = name[:-len(ext)] if name.endswith(ext) else ""
+                init = init_of(key) if _KEY.fullmatch(key) else None
+                if init is None or process_alive(*init):
+                    continue
                 with contextlib.suppress(OSError):
-                    gone += remove(self.root, key)
+                    if sub == "busy":
+                        gone += remove(self.root, key)
+                        continue
+                    marker = read_json(d / name)
+                    if not (isinstance(marker, dict)
+                            and process_alive(marker.get("pid"), marker.get("start"))):
+                        (d / name).unlink()
+                        gone += 1
         return gone
 
 
