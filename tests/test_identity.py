@@ -9,6 +9,7 @@ processes as the containers' inits."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -89,7 +90,8 @@ def test_container_key_is_the_id_and_where_its_bundle_really_is(tmp_path: Path) 
     b.mkdir()
     (tmp_path / "link").symlink_to(a)
     key = container_key("web", str(a))
-    assert key.startswith("web@") and key != container_key("web", str(b))
+    assert key == "web@" + hashlib.sha256(f"web\0{a.resolve()}".encode()).hexdigest()[:16]
+    assert key != container_key("web", str(b))
     assert key != container_key("web2", str(a))
     # runc reports its working directory, maybe through a symlink (its $PWD).
     assert container_key("web", str(tmp_path / "link")) == key
