@@ -23,7 +23,7 @@ from cudahook.core.manifest import ManifestError
 from cudahook.hooks import criu_env, oci_bundle, oci_state
 from cudahook.platform import marks, safeio
 from cudahook.platform.errors import StateError, UsageError, one_line
-from cudahook.platform.store import Store
+from cudahook.platform.store import Store, container_key
 
 SCRUBBED = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 U0 = "GPU-11111111-2222-3333-4444-555555555555"
@@ -259,8 +259,10 @@ def run_hook(hooks: dict[str, Path], root: Path, stage: str, data: bytes,
 
 
 def record(root: Path, cid: str) -> dict[str, Any] | None:
-    p = root / "run" / "cudahook" / "containers" / f"{cid}.json"
-    return json.loads(p.read_text()) if p.exists() else None
+    """The record of the one container of that id (named by its key)."""
+    recs = [r for r in Store(root / "run" / "cudahook").records() if r.get("id") == cid]
+    assert len(recs) <= 1, recs
+    return {k: v for k, v in recs[0].items() if k != "key"} if recs else None
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory", "huge", "symlink"])
@@ -374,6 +376,11 @@ def test_deeply_nested_config_json_is_one_line(root: Path, hooks: dict[str, Path
                    "nested too deeply")
 
 
+def gpu_key(tmp_path: Path, cid: str = "c") -> str:
+    """The key gpu_state's container is stored under."""
+    return container_key(cid, str(tmp_path / "bundles" / "gpu"))
+
+
 def gpu_state(tmp_path: Path, pid: int, cid: str = "c") -> bytes:
     b = tmp_path / "bundles" / "gpu"
     if not b.exists():
@@ -395,7 +402,7 @@ def test_unwritable_state_is_exit_5(root: Path, hooks: dict[str, Path], tmp_path
     containers = root / "run" / "cudahook" / "containers"
     containers.mkdir(parents=True, mode=0o700)
     os.chmod(root / "run" / "cudahook", 0o700)
-    (containers / "c.json").mkdir()  # the rename onto it fails, as on a read-only mount
+    (containers / f"{gpu_key(tmp_path)}.json").mkdir()  # the rename onto it fails, as on a read-only mount
     r = run_hook(hooks, root, "createRuntime", gpu_state(tmp_path, sleeper.pid))
     one_line_error(r, 5, "")
 
@@ -407,9 +414,9 @@ def test_symlinked_lock_file_is_refused(root: Path, hooks: dict[str, Path], tmp_
     os.chmod(root / "run" / "cudahook", 0o700)
     target = tmp_path / "elsewhere"
     target.write_text("")
-    (containers / "c.lock").symlink_to(target)
+    (containers / f"{gpu_key(tmp_path)}.lock").symlink_to(target)
     one_line_error(run_hook(hooks, root, "createRuntime", gpu_state(tmp_path, sleeper.pid)), 5,
-                   "c.lock")
+                   f"{gpu_key(tmp_path)}.lock")
 
 
 @pytest.mark.parametrize("content", ["dir", "[1, 2]", '{"pid": "x", "restores": "many", '
@@ -422,7 +429,7 @@ def test_damaged_record_is_replaced_not_a_traceback(root: Path, hooks: dict[str,
     containers = root / "run" / "cudahook" / "containers"
     containers.mkdir(parents=True, mode=0o700)
     os.chmod(root / "run" / "cudahook", 0o700)
-    path = containers / "c.json"
+    path = containers / f"{gpu_key(tmp_path)}.json"
     if content == "dir":
         path.mkdir()
     elif content == "symlink":

@@ -104,6 +104,7 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
         restored = bool(record.get("pid")) and record.get("pid") != pid
         restores = record.get("restores")
         record.update(
+            id=cid,  # the file's key names this container: a damaged record's id does not
             bundle=state["bundle"],
             pid=pid,
             pid_start=start,
