@@ -43,7 +43,8 @@ def pre_dump(node: Node, action: Path, init_pid: int, image: Path) -> subprocess
     env = {**SCRUBBED, "CRTOOLS_SCRIPT_ACTION": "pre-dump", "CRTOOLS_INIT_PID": str(init_pid),
            "CRTOOLS_IMAGE_DIR": str(image)}
     p = subprocess.Popen([sys.executable, "-c", CRIU, str(action)], env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)  # the node kills its process group at the end
     node.procs.append(p)  # type: ignore[arg-type]
     return p
 
@@ -132,3 +133,37 @@ def test_pre_dump_waits_for_the_guardian_of_a_recordless_container(
     assert len([e for e in events(node, "checkpoint") if "error" not in e]) == 2
     end(second)
     wait_resumed(node, tags, n=2)
+
+
+def test_admin_checkpoint_waits_for_the_guardian_of_a_recordless_container(node: Node) -> None:
+    """`cudahook checkpoint --init-pid` of a container without a record waits
+    for a live guardian of it (by its init), then refuses, touching nothing."""
+    from cudahook.hooks import guardian
+    from cudahook.platform.host import Host
+    from cudahook.platform.store import init_key, write_json_atomic
+
+    from .test_cli import cli, one_line_error, write_config
+
+    init = node.spawn_tree(("a", {"mib": 1}))
+    a = node.lab.wait_counter("a")["pid"]
+    cfg = write_config(node, guardian_wait_s=1)
+    state_dir = node.settings().state_dir
+    earlier = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    node.procs.append(earlier)
+    host = Host()
+    key = init_key(init.pid, host.start_time(init.pid))
+    write_json_atomic(guardian._marker(state_dir, key),
+                      {"pid": earlier.pid, "start": host.start_time(earlier.pid), "criu_pid": 1})
+    engine = node.engine()
+    try:
+        one_line_error(cli("checkpoint", "--init-pid", str(init.pid), config=cfg), 5,
+                       f"checkpoint: the guardian of an earlier checkpoint of container {key}")
+        assert engine.read_state(a) == "running"
+        earlier.kill()
+        earlier.wait()
+        r = cli("checkpoint", "--init-pid", str(init.pid), config=cfg)
+        assert r.returncode == 0, r.stderr
+        assert engine.read_state(a) == "checkpointed"
+    finally:
+        if engine.read_state(a) == "checkpointed":  # the workload back on its GPU, whatever failed
+            engine.restore([a])

@@ -290,7 +290,12 @@ def _container_of(settings: Any, host: Any, args: argparse.Namespace) -> str | N
     records = [r for r in Store(settings.state_dir).records()
                if isinstance(r.get("id"), str) and type(r.get("pid")) is int]
     if args.init_pid:
-        return next((r["key"] for r in records if r["pid"] == args.init_pid), None)
+        from cudahook.hooks.containers import lock_key
+        from cudahook.hooks.context import Context
+
+        # Without a record, the init itself: what a pre-dump of it serialises on.
+        record = next((r for r in records if r["pid"] == args.init_pid), None)
+        return lock_key(Context(settings, host), record, args.init_pid)
     try:
         spaces = {host.pidns(p) for p in args.pid}
         own = host.own_pidns()
