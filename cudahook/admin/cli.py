@@ -67,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pid", type=int, action="append", required=True)
     sub.add_parser("gpus", help="the GPUs nvidia-smi reports")
     sub.add_parser("features", help="what the installed cuda-checkpoint supports")
-    st = sub.add_parser("status", help="GPU containers, their CUDA processes, last results")
+    st = sub.add_parser("status", help="GPU containers and their last results, one line each; "
+                        "with an ID, that container in detail")
+    st.add_argument("container", nargs="?", metavar="ID",
+                    help="one container (its id or a unique prefix): its CUDA processes, "
+                    "last results and checkpoint timeline")
+    st.add_argument("--all", "-a", action="store_true",
+                    help="also the containers that are not running or gone")
     st.add_argument("--manifest", metavar="IMAGE_DIR",
                     help="show a checkpoint's per-process timeline from its manifest")
     st.add_argument("--no-live", action="store_true",
@@ -206,8 +212,13 @@ def run(args: argparse.Namespace) -> int:
         if args.manifest:
             _emit(args, _manifest_json(args.manifest), status.manifest_chart(args.manifest))
             return Exit.OK
-        data = status.gather(ctx, live=not args.no_live)
-        _emit(args, data, status.render(data))
+        # The table shows no process states: probe only for the detail and --json.
+        data = status.gather(ctx, live=not args.no_live and bool(args.container or args.json))
+        if args.container:
+            one = status.select(data, args.container)
+            _emit(args, {**data, "containers": [one]}, status.render_one(one))
+        else:
+            _emit(args, data, status.render(data, show_all=args.all))
         return Exit.OK
 
     backend = make_backend(settings, host)
