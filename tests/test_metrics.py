@@ -115,7 +115,7 @@ def test_a_checkpoint_its_phases_bytes_and_the_guardian_resume_are_counted(
         assert value(found, "cudahook_phase_duration_seconds_count", phase=phase) == 1
         assert value(found, "cudahook_phase_duration_seconds_sum", phase=phase) > 0
         assert value(found, "cudahook_last_phase_duration_seconds", phase=phase) > 0
-    assert value(found, "cudahook_last_transfer_gigabytes_per_second", direction="to_host") > 0
+    assert value(found, "cudahook_last_transfer_bytes_per_second", direction="to_host") > 0
     labels = {k for (_, ls) in found for k, _ in ls}
     assert labels <= {"container", "gpu_model", "outcome", "phase", "direction", "side", "reason"}
     text = metrics_file(node).read_text()

@@ -50,7 +50,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "vmm_prepare, vmm_restore, criu_dump, criu_restore, total)."),
     "cudahook_last_phase_duration_seconds": (
         "gauge", "Duration of the phase in the container's last checkpoint or restore."),
-    "cudahook_last_transfer_gigabytes_per_second": (
+    "cudahook_last_transfer_bytes_per_second": (
         "gauge", "GPU memory moved per second in the last checkpoint or restore, by direction."),
     "cudahook_last_check_ok": (
         "gauge", "1 when the container's last check said the operation can go ahead, else 0."),
