@@ -44,7 +44,7 @@ APT_LOG=
 
 log() { printf 'provision-runtimes: %s\n' "$*"; }
 die() { printf 'provision-runtimes: ERROR: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while (($#)); do
     case $1 in
