@@ -627,6 +627,10 @@ disabled_plugins = {json.dumps(disabled)}
 
     def remove(self, cid: str, timeout: float = 15) -> None:
         """Kill the task (SIGKILL), delete it and the container; tolerate absence."""
+        if self.tasks().get(cid, (0, ""))[1] == "CREATED":
+            # Left by a restore that failed: containerd 1.6's `tasks delete
+            # --force` hangs on it, a plain delete removes it.
+            self.ctr("tasks", "delete", cid, check=False)
         if cid in self.tasks():
             self.ctr("tasks", "kill", "--all", "--signal", "SIGKILL", cid, check=False)
             deadline = time.monotonic() + timeout

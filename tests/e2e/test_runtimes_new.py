@@ -1,7 +1,8 @@
-"""Simulated CUDA workloads through the runtimes people run today, containerd
-1.7 (``ctr``) and docker 26, unpacked beside Debian 12's packages by
-scripts/provision-runtimes.sh, with cudahook installed by install.sh as in
-test_runtimes.py (which drives containerd 1.6 and docker 20.10).
+"""Simulated CUDA workloads through each runtime version of the matrix:
+containerd 1.7 (``ctr``) and docker 26, the versions people run today,
+unpacked beside Debian 12's packages by scripts/provision-runtimes.sh, and
+Debian 12's containerd 1.6 and docker 20.10; cudahook installed by install.sh
+as in test_runtimes.py.
 
 Through each: a checkpoint that leaves the container running (ctr always
 passes runc ``--leave-running``; docker's ``--leave-running``), a checkpoint
@@ -23,6 +24,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +32,7 @@ from cudahook.core import manifest
 from cudahook.platform.store import Store
 
 from .conftest import needs_runc, private_node, tree_digest
-from .daemons import Binaries, Containerd, DaemonError, Dockerd, private_binaries
+from .daemons import PACKAGED, Binaries, Containerd, DaemonError, Dockerd, private_binaries
 from .outcomes import process_tree
 from .test_runtimes import (  # noqa: F401  (image and node are fixtures)
     DAEMON_JSON,
@@ -43,12 +45,15 @@ from .test_runtimes import (  # noqa: F401  (image and node are fixtures)
 
 NEW = private_binaries("1.7", "26")
 
-pytestmark = [
-    *needs_runc,
-    private_node,
-    pytest.mark.skipif(bool(NEW.missing()),
-                       reason=f"missing {', '.join(NEW.missing())} (scripts/provision-runtimes.sh)"),
-]
+pytestmark = [*needs_runc, private_node]
+
+
+def version(bins: Binaries, containerd: bool) -> Any:
+    """One version of the matrix, skipped where provisioning did not bring it."""
+    missing = bins.missing()
+    name = f"containerd-{bins.containerd_version}" if containerd else f"docker-{bins.docker_version}"
+    return pytest.param(bins, id=name, marks=pytest.mark.skipif(
+        bool(missing), reason=f"missing {', '.join(missing)} (scripts/provision-runtimes.sh)"))
 
 
 
@@ -78,18 +83,18 @@ def refused(at: Node, cid: str, said: str) -> None:
     assert at.events(cid, "restore") == []
 
 
-@pytest.mark.parametrize("bins", [NEW], ids=["containerd-1.7"])
+@pytest.mark.parametrize("bins", [version(PACKAGED, True), version(NEW, True)])
 def test_ctr_checkpoint_refusal_and_restore(node: Node, image: Path, tmp_path: Path,  # noqa: F811
                                           bins: Binaries) -> None:
-    """ctr 1.7 (flags as in 1.6): `ctr c checkpoint --task` (runc
+    """ctr (1.6 and 1.7 alike): `ctr c checkpoint --task` (runc
     `--leave-running`), `ctr c restore --live`. The restore recreates the
     container from the spec stored in the checkpoint image: ctr cannot give
     it other GPUs (docker below, podman and runc do)."""
-    spec = gpu_spec(node.lab, "c17")
-    tags, cid, ref = spec.tags, f"gpu-{uuid.uuid4().hex[:8]}", "cudahook/c17:1"
+    spec = gpu_spec(node.lab, "c" + bins.containerd_version.replace(".", ""))
+    tags, cid, ref = spec.tags, f"gpu-{uuid.uuid4().hex[:8]}", "cudahook/ctr-ckpt:1"
     shim_path = node.libexec / "runc-path"
     with Containerd(tmp_path / "containerd", path_prefix=shim_path, binaries=bins) as c:
-        assert c.server_version().startswith("1.7.")
+        assert c.server_version().startswith(bins.containerd_version + ".")
         name = c.import_image(image)
         extra = [x for e in spec.env for x in ("--env", e)]
         pid = c.run(name, cid, *spec.cmd, mounts=spec.binds, extra=extra)
@@ -140,16 +145,16 @@ def test_ctr_checkpoint_refusal_and_restore(node: Node, image: Path, tmp_path: P
         c.remove(cid)
 
 
-@pytest.mark.parametrize("bins", [NEW], ids=["docker-26"])
+@pytest.mark.parametrize("bins", [version(PACKAGED, False), version(NEW, False)])
 def test_docker_checkpoint_refusal_and_remap(node: Node, image: Path, tmp_path: Path,  # noqa: F811
                                              bins: Binaries) -> None:
-    """docker 26: `checkpoint create [--leave-running] [--checkpoint-dir]`,
-    `start --checkpoint`; like 20.10 it refuses `start --checkpoint-dir`, so a
+    """docker (20.10 and 26 alike): `checkpoint create [--leave-running]
+    [--checkpoint-dir]`, `start --checkpoint`; both refuse `start --checkpoint-dir`, so a
     checkpoint taken elsewhere is copied into the new container's
     checkpoints directory (README's recipe)."""
     runtimes = json.loads(DAEMON_JSON.read_text())["runtimes"]
     a, b = node.lab.uuids[:2]
-    spec = gpu_spec(node.lab, "d26")
+    spec = gpu_spec(node.lab, "d" + bins.docker_version.replace(".", ""))
     tags = spec.tags
 
     def create_args(env: list[str]) -> list[str]:
@@ -161,7 +166,7 @@ def test_docker_checkpoint_refusal_and_remap(node: Node, image: Path, tmp_path: 
 
     with Dockerd(tmp_path / "dockerd", extra_config={"runtimes": runtimes}, binaries=bins) as d:
         server = d.docker("version", "--format", "{{.Server.Version}}").stdout.strip()
-        assert server.startswith("26."), server
+        assert server.startswith(bins.docker_version + "."), server
         name = d.load_image(image)
 
         # A container without a GPU, through cudahook's runtime: untouched.
