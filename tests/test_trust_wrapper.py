@@ -282,3 +282,81 @@ def test_exact_registration_match__the_installed_path_is_global(node: Node) -> N
     node.wrap("c1", b)
     assert criuconf.ANNOTATION not in node.notes(b)
     assert not copy_of(node, "c1").exists()
+
+
+# -- one_line_errors, hook_dies_with_runtime ------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["bundle", "id"])
+def test_one_line_errors__nul_in_state_exits_2(node: Node, key: str) -> None:
+    st = {"ociVersion": "1.2.0", "id": "c1", "status": "creating",
+          "bundle": str(node.bundle("b"))}
+    st[key] += "\u0000x"
+    for stage in ("createRuntime", "poststop"):
+        r = subprocess.run([str(node.hooks["cudahook-oci-hook"]), stage],
+                           input=json.dumps(st).encode(), env=SCRUBBED, capture_output=True,
+                           timeout=30)
+        err = r.stderr.decode()
+        assert r.returncode == 2, err
+        assert err.count("\n") == 1 and "NUL" in err and "internal error" not in err, err
+
+
+def _hook_python(hook_pid: int) -> int | None:
+    """The PID of the Python running the OCI hook started as `hook_pid`:
+    that PID itself once exec'd, or a child of it."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"cudahook.hooks.oci_hook" in cmd and hook_pid in (int(d.name), ppid):
+            return int(d.name)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def test_hook_dies_with_runtime__killed_hook_leaves_no_python(node: Node) -> None:
+    """A runtime that kills the hook (its timeout) kills cudahook's Python
+    with it: the hook is Python by then, not a shell waiting on a pipeline."""
+    from cudahook.platform.marks import marks_dir
+    from cudahook.platform.store import Store, lock_file
+
+    b = node.bundle("b")
+    fd = lock_file(Store(node.state_dir).lock_path("c1"))  # the hook waits on it
+    init = subprocess.Popen(["sleep", "60"])
+    node.sleepers.append(init)
+    state = json.dumps({"ociVersion": "1.2.0", "id": "c1", "status": "creating",
+                        "bundle": str(b), "pid": init.pid}).encode()
+    hook = subprocess.Popen([str(node.hooks["cudahook-oci-hook"]), "createRuntime"],
+                            stdin=subprocess.PIPE, env=SCRUBBED)
+    py = None
+    try:
+        assert hook.stdin is not None
+        hook.stdin.write(state)
+        hook.stdin.close()
+        deadline = time.monotonic() + 20
+        while not (marks_dir() / "gpu" / "c1").exists():  # left just before the lock
+            assert time.monotonic() < deadline and hook.poll() is None
+            time.sleep(0.02)
+        py = _hook_python(hook.pid)
+        assert py is not None
+        hook.kill()
+        hook.wait(timeout=10)
+        time.sleep(0.5)
+        assert not _alive(py), "the hook's Python outlived the hook"
+    finally:
+        os.close(fd)
+        if py is not None and _alive(py):
+            os.kill(py, 9)
+        if hook.poll() is None:
+            hook.kill()
+            hook.wait()

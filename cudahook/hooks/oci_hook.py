@@ -59,8 +59,11 @@ def _stage(argv: list[str]) -> str:
 
 def _read_stdin() -> str:
     """At most MAX_STATE + 1 bytes of stdin (read_state refuses more), as
-    UTF-8 text (RFC 8259)."""
-    data = sys.stdin.buffer.read(oci_state.MAX_STATE + 1)
+    UTF-8 text (RFC 8259). The shell hook hands on the state with a newline
+    added: one trailing newline is not counted."""
+    data = sys.stdin.buffer.read(oci_state.MAX_STATE + 2)
+    if data.endswith(b"\n"):
+        data = data[:-1]
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
