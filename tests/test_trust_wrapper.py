@@ -360,3 +360,49 @@ def test_hook_dies_with_runtime__killed_hook_leaves_no_python(node: Node) -> Non
         if hook.poll() is None:
             hook.kill()
             hook.wait()
+
+
+# -- own_directories_only ----------------------------------------------------------------------
+
+
+def test_own_directories_only__state_dir_typo_is_refused_not_changed(node: Node) -> None:
+    """`state_dir: /run` by mistake: the hook refuses it in one line (exit 3)
+    and leaves its mode alone."""
+    run = node.tmp / "run"  # stands in for /run: root's, 0755
+    run.mkdir()
+    os.chmod(run, 0o755)
+    cfg = yaml.safe_load(node.config.read_text())
+    node.config.write_text(yaml.safe_dump({**cfg, "state_dir": str(run)}))
+    r = node.hook("createRuntime", "c1", node.bundle("b"))
+    err = r.stderr.decode()
+    assert r.returncode == 3, err
+    assert err.count("\n") == 1 and str(run) in err and "refusing" in err, err
+    assert os.stat(run).st_mode & 0o7777 == 0o755
+    assert os.listdir(run) == []
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o711, 0o500, 0o1700])
+def test_own_directories_only__existing_directory_is_never_chmodded(tmp_path: Path,
+                                                                    mode: int) -> None:
+    from cudahook.platform.privdir import ForeignDirectory, ensure_private_dir
+
+    d = tmp_path / "found"
+    d.mkdir()
+    os.chmod(d, mode)
+    with pytest.raises(ForeignDirectory, match="refusing") as exc:
+        ensure_private_dir(d)
+    assert exc.value.exit_code == 3
+    assert os.stat(d).st_mode & 0o7777 == mode
+
+
+def test_own_directories_only__created_private_and_found_again(tmp_path: Path) -> None:
+    from cudahook.platform.privdir import ensure_private_dir
+
+    old = os.umask(0o177)  # a umask that would leave a new directory unusable
+    try:
+        d = ensure_private_dir(tmp_path / "a" / "b" / "c")
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "a", tmp_path / "a/b", d):
+        assert os.stat(p).st_mode & 0o7777 == 0o700, p
+    assert ensure_private_dir(d) == d  # cudahook's own, found again
