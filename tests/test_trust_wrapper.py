@@ -34,7 +34,7 @@ class Node:
         self.etc_criu = self.root / "etc/criu"
         self.etc_criu.mkdir(parents=True)
         monkeypatch.setenv("CUDAHOOK_ROOT", str(self.root))
-        settings = SimLab(tmp / "node").settings()
+        settings = SimLab(tmp / "node").settings(log_file=str(tmp / "cudahook.log"))
         self.state_dir = Path(settings.state_dir)
         self.config = tmp / "config.yaml"
         self.config.write_text(yaml.safe_dump(dict(settings.__dict__)))
@@ -406,3 +406,24 @@ def test_own_directories_only__created_private_and_found_again(tmp_path: Path) -
     for p in (tmp_path / "a", tmp_path / "a/b", d):
         assert os.stat(p).st_mode & 0o7777 == 0o700, p
     assert ensure_private_dir(d) == d  # cudahook's own, found again
+
+
+def test_never_break_plain_container__uncovered_gpu_container_still_starts(node: Node) -> None:
+    """No copy can be written (a state_dir cudahook refuses): runc still
+    runs the container, the wrapper says loudly it is not covered, and the
+    file the container named never reaches CRIU."""
+    conf, _ = evil_conf(node)
+    run = node.tmp / "run"
+    run.mkdir()
+    os.chmod(run, 0o755)
+    cfg = yaml.safe_load(node.config.read_text())
+    node.config.write_text(yaml.safe_dump({**cfg, "state_dir": str(run)}))
+    b = node.bundle("b", {criuconf.ANNOTATION: str(conf)})
+    node.wrap("c1", b)
+    assert node.notes(b)[criuconf.ANNOTATION] == ""  # CRIU gets no file at all
+    hooks = json.loads((b / "config.json").read_text())["hooks"]
+    assert hooks["createRuntime"][0]["path"] == str(node.hooks["cudahook-oci-hook"])
+    assert [w for w in node.warnings() if "NOT covered" in w]
+    events = [json.loads(x) for x in Path(cfg["log_file"]).read_text().splitlines()]
+    assert [e["container"] for e in events if e["event"] == "wrapper-not-covered"] == ["c1"]
+    assert os.stat(run).st_mode & 0o7777 == 0o755

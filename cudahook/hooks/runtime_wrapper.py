@@ -116,6 +116,18 @@ class NotCovered(Exception):
     be made to name the action script: its checkpoints run without it."""
 
 
+def _not_covered(cid: str | None, text: str) -> None:
+    """A GPU container left uncovered goes in cudahook's own log as well as
+    runc's: the operator looks there first. Never fails the wrapper."""
+    import contextlib
+
+    from cudahook.platform import config
+    from cudahook.platform.eventlog import log as event
+
+    with contextlib.suppress(Exception):
+        event(config.load().log_file, "wrapper-not-covered", container=cid, reason=text)
+
+
 def _ignore(_: str) -> None:
     pass
 
@@ -230,6 +242,8 @@ def main(argv: list[str]) -> int:
             text = str(exc) if isinstance(exc, NotCovered) else \
                 f"could not add OCI hooks to {bundle}: {exc}"
             log(opts, "warning", one_line(text))
+            if isinstance(exc, NotCovered):
+                _not_covered(container_id(rest), text)
     try:
         os.execv(runc, [runc, *args])
     except OSError as exc:
