@@ -427,3 +427,13 @@ def test_never_break_plain_container__uncovered_gpu_container_still_starts(node:
     events = [json.loads(x) for x in Path(cfg["log_file"]).read_text().splitlines()]
     assert [e["container"] for e in events if e["event"] == "wrapper-not-covered"] == ["c1"]
     assert os.stat(run).st_mode & 0o7777 == 0o755
+
+
+def test_never_break_plain_container__bad_configuration_still_names_no_foreign_file(
+        node: Node) -> None:
+    conf, _ = evil_conf(node)
+    node.config.write_text("state_dir: [unclosed\n")
+    b = node.bundle("b", {criuconf.ANNOTATION: str(conf)})
+    node.wrap("c1", b)
+    assert node.notes(b)[criuconf.ANNOTATION] == ""
+    assert [w for w in node.warnings() if "NOT covered" in w]

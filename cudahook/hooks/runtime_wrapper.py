@@ -142,15 +142,31 @@ def point_criu_config(cfg: dict, script: str, cid: str,  # type: ignore[type-arg
 
     Whatever the container's annotations name outside the operator's
     directory is never read: CRIU runs as root, and such a file (an overlay
-    upperdir, say) is the container author's to write."""
-    from cudahook.platform import config, criuconf, paths
-    from cudahook.platform.errors import one_line
+    upperdir, say) is the container author's to write. Where no copy can be
+    made, the container names no file at all: runc then hands CRIU none."""
+    from cudahook.platform import criuconf, paths
 
-    state_dir = config.load().state_dir
     notes = cfg.get("annotations")
     if not isinstance(notes, dict):
         notes = cfg["annotations"] = {}
     before = dict(notes)
+    current = notes.get(criuconf.ANNOTATION)
+    try:
+        _point(notes, script, cid, warn)
+    except Exception:
+        notes.pop(criuconf.BASE_ANNOTATION, None)
+        if current is not None and current != str(paths.at(paths.CRIU_CONF)):
+            notes[criuconf.ANNOTATION] = ""
+        raise
+    return notes != before
+
+
+def _point(notes: dict, script: str, cid: str,  # type: ignore[type-arg]
+           warn: Callable[[str], None]) -> None:
+    from cudahook.platform import config, criuconf, paths
+    from cudahook.platform.errors import one_line
+
+    state_dir = config.load().state_dir
     current = notes.get(criuconf.ANNOTATION)
     default = str(paths.at(paths.CRIU_CONF))  # runc's default file
     who = one_line(cid, 100)  # runc checks the id only after the wrapper
@@ -164,7 +180,7 @@ def point_criu_config(cfg: dict, script: str, cid: str,  # type: ignore[type-arg
         warn(f"container {who}: CRIU configuration {one_line(str(named), 200)!r} is not a file "
              f"in {paths.at(criuconf.OPERATOR_DIR)}: not used, its copy starts from {default}")
         named = None
-    text = None
+    text, dropped = None, []
     if named is not None:
         try:
             text, dropped = criuconf.without_code(criuconf.read_base(named), script)
@@ -176,34 +192,24 @@ def point_criu_config(cfg: dict, script: str, cid: str,  # type: ignore[type-arg
             for line in dropped:
                 warn(f"container {who}: {named}: dropped a line that could run or load code: "
                      f"{one_line(line, 200)!r}")
-    try:
-        if text is None:
-            text, dropped = criuconf.read_base(default), []
-        if criuconf.registers(text, script) and not dropped:
-            # Registered globally (or in the operator's file the container
-            # named): runc's own choice of file already covers it.
-            criuconf.remove(state_dir, cid)
-            notes.pop(criuconf.BASE_ANNOTATION, None)
-            if named is None:
-                notes.pop(criuconf.ANNOTATION, None)
-            else:
-                notes[criuconf.ANNOTATION] = named
-            return notes != before
-        path = criuconf.write(state_dir, cid, criuconf.for_container(text, script))
-    except Exception:
-        # No copy: then no file the container chose either, and no file at
-        # all rather than one the operator's directory does not hold.
+    if text is None:
+        text = criuconf.read_base(default)
+    if criuconf.registers(text, script) and not dropped:
+        # Registered globally (or in the operator's file the container
+        # named): runc's own choice of file already covers it.
+        criuconf.remove(state_dir, cid)
         notes.pop(criuconf.BASE_ANNOTATION, None)
-        if current is not None and not (isinstance(current, str) and (
-                criuconf.is_copy(current, state_dir) or current == default)):
-            notes[criuconf.ANNOTATION] = ""
-        raise
-    notes[criuconf.ANNOTATION] = str(path)
+        if named is None:
+            notes.pop(criuconf.ANNOTATION, None)
+        else:
+            notes[criuconf.ANNOTATION] = named
+        return
+    notes[criuconf.ANNOTATION] = str(criuconf.write(state_dir, cid,
+                                                    criuconf.for_container(text, script)))
     if named is None:
         notes.pop(criuconf.BASE_ANNOTATION, None)
     else:
         notes[criuconf.BASE_ANNOTATION] = named
-    return notes != before
 
 
 def log(opts: dict[str, str], level: str, msg: str) -> None:
