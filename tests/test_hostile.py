@@ -447,7 +447,8 @@ def test_damaged_record_is_replaced_not_a_traceback(root: Path, hooks: dict[str,
 def test_annotation_key_with_a_newline_is_escaped(root: Path, hooks: dict[str, Path],
                                                   tmp_path: Path,
                                                   sleeper: subprocess.Popen[bytes]) -> None:
-    b = bundle(tmp_path, "b", {"annotations": {"cudahook.io/x\nINJECTED line": "1"}})
+    b = bundle(tmp_path, "b", {"annotations": {"cudahook.io/x\nINJECTED line": "1"},
+                               "process": {"env": ["NVIDIA_VISIBLE_DEVICES=all"]}})
     err = one_line_error(run_hook(hooks, root, "createRuntime", state("c", b, sleeper.pid)), 2,
                          "unknown annotation")
     assert "x\\nINJECTED" in err
