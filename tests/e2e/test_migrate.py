@@ -141,9 +141,16 @@ def make_node(tmp: Path, image: Path, name: str, *, seed: str, gpus: int = 2,
     for change in registration("podman", COMMON / "libexec", root=str(root)).changes[1:]:
         assert change.after is not None
         (etc / "hooks.d" / change.path.name).write_bytes(change.after)
-    (etc / "criu.conf").write_text(f"action-script {COMMON / 'libexec/cudahook-criu-action'}\n")
+    action = f"action-script {COMMON / 'libexec/cudahook-criu-action'}\n"
+    (etc / "criu.conf").write_text(action)
+    # The node's own CRIU registration (global, as install.sh writes it): a
+    # migrated container's org.criu.config is dropped on restore, and runc
+    # then hands CRIU this node's /etc/criu/runc.conf.
+    (etc / "criu").mkdir()
+    (etc / "criu/runc.conf").write_text(action)
     ns = NodeNamespace([(str(libexec), str(COMMON / "libexec")), (str(etc), str(COMMON / "etc")),
-                        (str(lab.root), str(COMMON / "gpu")), (str(root), str(COMMON / "root"))])
+                        (str(lab.root), str(COMMON / "gpu")), (str(root), str(COMMON / "root")),
+                        (str(etc / "criu"), "/etc/criu")])
     podman = Podman(d / "podman", ns=ns, hooks_dir=str(COMMON / "etc/hooks.d"))
     node = SimNode(name, d, lab, ns, podman)
     try:
@@ -261,6 +268,9 @@ def test_migrate_same_count_other_uuids(nodes: Any, tmp_path: Path) -> None:
     assert len(restore["pids"]) == len(tags) and not restore.get("error")
     spec = json.loads(Path(b.podman.inspect(f"{name}-b")["OCIConfigPath"]).read_text())
     assert f"NVIDIA_VISIBLE_DEVICES={b.lab.uuids[0]}" in spec["process"]["env"]
+    # Node A's CRIU configuration did not come along: node B's own applied.
+    assert out["dropped_annotations"] == ["org.criu.config"]
+    assert "org.criu.config" not in spec.get("annotations", {})
     assert a.events("restore") == []
     # Node A's GPU holds nothing of it any more.
     assert all(g["memory_used_mib"] == 0 for g in a.lab.info()["gpus"])
