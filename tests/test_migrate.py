@@ -698,3 +698,21 @@ def test_archive_authenticity__unsigned_restore_says_what_it_did_not_verify(
     assert r.returncode == 0, r.stderr
     assert "verified: sha256 (ckpt.tar.gz.sha256), tar structure and bounds, gzip CRC" in r.stdout
     assert "not verified: origin (unsigned)" in r.stdout
+
+
+def test_exit_codes_one_table__gate_refusals_exit_as_check_says() -> None:
+    """Every reason the restore gate can give: `migrate restore` exits with
+    the code `cudahook check --image` gives for it (the hooks keep theirs)."""
+    from cudahook.hooks.checks import Verdict
+    from cudahook.platform.errors import CudahookError, EnvironmentProblem
+    from cudahook.platform.reasons import REASONS
+
+    for code, reason in REASONS.items():
+        if reason.side == "checkpoint":
+            continue
+        v = Verdict("restore", {})
+        v.add(code, "x")
+        err = (NotRestorableHere if reason.never_here else EnvironmentProblem)("x", reason=code)
+        got = migrate.as_check(err)
+        assert isinstance(got, CudahookError) and got.exit_code == v.exit_code, code
+        assert got.reason == code

@@ -271,11 +271,29 @@ def plan(ctx: Any, data: dict[str, Any], wanted: Sequence[str] | None
     from cudahook.hooks.restore_gate import plan_restore
 
     source = [str(u) for u in data.get("gpus") or []]
-    node = [g.uuid for g in query_gpus(ctx.host, ctx.settings)]
-    targets = choose_gpus(source, node, wanted)
-    # The record the OCI hook will write at restore names exactly these.
-    mapping = plan_restore(ctx, {"visible": targets}, ann.Options(), data)
+    try:
+        node = [g.uuid for g in query_gpus(ctx.host, ctx.settings)]
+        targets = choose_gpus(source, node, wanted)
+        # The record the OCI hook will write at restore names exactly these.
+        mapping = plan_restore(ctx, {"visible": targets}, ann.Options(), data)
+    except CudahookError as exc:
+        if exc.reason is None:
+            raise
+        raise as_check(exc) from exc
     return targets, mapping
+
+
+def as_check(exc: CudahookError) -> CudahookError:
+    """A refusal of the restore gate with the exit code `cudahook check
+    --image` gives for the same reason: 6 when no retry on this node can
+    change it, else 1 (the hooks' own codes, e.g. 5, stay the hooks')."""
+    from cudahook.platform.reasons import REASONS
+
+    reason = REASONS.get(exc.reason or "")
+    code = Exit.NOT_HERE if reason is not None and reason.never_here else Exit.FAILED
+    out = MigrateFailed(str(exc), code)
+    out.reason = exc.reason
+    return out
 
 
 # -- podman --------------------------------------------------------------------
