@@ -379,6 +379,39 @@ def test_a_damaged_archive_is_refused_cleanly(nodes: Any, tmp_path: Path, damage
     assert counters(a.lab, tags) == frozen
 
 
+def test_remove_only_own__a_failed_restore_removes_its_own_container(nodes: Any,
+                                                                    tmp_path: Path) -> None:
+    """podman creates the container, then CRIU fails (node B's CRIU runs an
+    action script that refuses): that container, this restore's, goes."""
+    a = nodes("a", seed="node-a")
+    b = nodes("b", seed="node-b")
+    _, tags, archive, _ = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit")
+    (b.dir / "etc/criu/runc.conf").write_text("action-script /bin/false\n")
+    r = b.migrate("restore", str(archive), "--name", "moved")
+    assert r.returncode == Exit.FAILED, r.stdout + r.stderr
+    assert b.containers() == []
+    assert counters(b.lab, tags) == {t: 0 for t in tags}
+
+
+def test_remove_only_own__a_container_made_meanwhile_under_that_name_stays(
+        nodes: Any, tmp_path: Path) -> None:
+    """Someone creates a container of the same name while the restore starts
+    (podman then fails: the name is taken): theirs is not removed."""
+    a = nodes("a", seed="node-a")
+    b = nodes("b", seed="node-b")
+    _, _, archive, _ = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit")
+    racer = tmp_path / "racing-podman"
+    racer.write_text("#!/bin/sh\n"
+                     f'[ "$1 $2" = "container restore" ] && {b.podman.command()} create '
+                     f"--name taken {IMAGE} true >/dev/null\n"
+                     f'exec {b.podman.command()} "$@"\n')
+    racer.chmod(0o755)
+    r = b.cudahook("migrate", "restore", str(archive), "--name", "taken", "--podman", str(racer))
+    assert r.returncode == Exit.FAILED, r.stdout + r.stderr
+    assert b.containers() == ["taken"]
+    assert b.podman.state("taken") == "created"  # theirs, untouched
+
+
 # -- runc: the image directory packed into a tar --------------------------------
 
 
