@@ -716,3 +716,22 @@ def test_exit_codes_one_table__gate_refusals_exit_as_check_says() -> None:
         got = migrate.as_check(err)
         assert isinstance(got, CudahookError) and got.exit_code == v.exit_code, code
         assert got.reason == code
+
+
+def test_exit_codes_one_table__a_changed_or_missing_image_file_is_6(tmp_path: Path) -> None:
+    """The files of cudahook's that the manifest checksums (the VMM state),
+    as the archive holds them: changed or missing, exit 6 as check says."""
+    state = b"vmm state" * 1000
+    a = archive(tmp_path, {**MEMBERS, "checkpoint/cuda-vmm.state": state})
+    found = migrate.scan(a)
+    good = {"files": {"cuda-vmm.state": {"sha256": hashlib.sha256(state).hexdigest(),
+                                         "size": len(state)}}}
+    migrate.verify_files(good, found.hashed)
+    changed = {"files": {"cuda-vmm.state": {"sha256": "0" * 64, "size": len(state)}}}
+    with pytest.raises(NotRestorableHere) as exc:
+        migrate.verify_files(changed, found.hashed)
+    assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE
+    with pytest.raises(NotRestorableHere) as exc:
+        migrate.verify_files({"files": {"other.state": good["files"]["cuda-vmm.state"]}},
+                             found.hashed)
+    assert exc.value.reason == "IMAGE_FILE_MISSING"

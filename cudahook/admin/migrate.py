@@ -7,21 +7,20 @@
              (podman container restore --import, the container moved onto B's GPUs)
 
 The restore decides everything before podman starts, so a refusal leaves
-nothing behind: the archive must match its checksum and read to the end as
-a tar, every member's data included (a copy damaged or cut short in transit
-is refused, exit 2); the checkpoint's manifest must pass this node's restore
-gate with the GPUs chosen here (`restore_gate.plan_restore`, the decision
-post-restore takes: driver branch, GPU count, model and memory, a driver
-that can remap; exit 6 when this node can never run it). A copy of the
-archive (in $TMPDIR or --work-dir, as large as the archive uncompressed)
-then names this node's GPUs in its container spec, and the restore's OCI
-hook and post-restore compute the same device map from it. A restore that
-podman (or the gate at post-restore) refuses is reported with the reason
-cudahook wrote into CRIU's log and its exit code, and the container podman
-made is removed.
-
-Archives are read with the standard tarfile module: podman's `--compress`
-none or gzip (`migrate checkpoint` writes gzip unless told otherwise).
+nothing behind. The archive is outside input: one bounded pass of
+archive.py's reader checks its checksum (against ARCHIVE.sha256), its gzip
+CRC, its structure and bounds (exit 2: damaged, cut short, or holding what
+a podman checkpoint never holds), and with a trusted key its signature
+(signing.py); the checkpoint's manifest must pass this node's restore gate
+with the GPUs chosen here (`restore_gate.plan_restore`, the decision
+post-restore takes; exit codes as `cudahook check --image` gives them: 6
+when this node can never run it). The same pass writes a copy (in $TMPDIR
+or --work-dir, as large as the archive uncompressed) whose container spec
+names this node's GPUs, without the CRIU configuration the source node
+chose; the restore's OCI hook and post-restore compute the same device map
+from it. A restore that podman (or the gate at post-restore) refuses is
+reported with the reason cudahook wrote into CRIU's log and its exit code,
+and the container this restore made (and only that one) is removed.
 """
 
 from __future__ import annotations
