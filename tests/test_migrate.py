@@ -130,11 +130,18 @@ def test_choose_gpus() -> None:
 
 def test_the_copy_names_the_new_gpus_and_keeps_the_rest(tmp_path: Path) -> None:
     a = archive(tmp_path, MEMBERS)
+    raw = bytearray(gzip.decompress(a.read_bytes()))
+    at = raw.index(b"checkpoint/pages-1.img")  # its header: the pages setuid
+    raw[at + 100:at + 108] = tarfile.itn(0o4755, 8, tarfile.USTAR_FORMAT)
+    raw[at + 148:at + 156] = b" " * 8
+    raw[at + 148:at + 156] = b"%06o\0 " % sum(raw[at:at + 512])
+    a.write_bytes(gzip.compress(bytes(raw)))
     copy = tmp_path / "copy.tar"
     small = migrate.scan(a, copy_to=copy).small
     migrate.finish_copy(copy, migrate.retarget(small, ["GPU-x", "GPU-y"]))
     with tarfile.open(copy) as tar:
         got = {m.name: tar.extractfile(m).read() for m in tar}  # type: ignore[union-attr]
+        assert tar.getmember("checkpoint/pages-1.img").mode == 0o755  # no setuid bit
     assert got["checkpoint/pages-1.img"] == MEMBERS["checkpoint/pages-1.img"]
     spec, config = json.loads(got["spec.dump"]), json.loads(got["config.dump"])
     for s in (spec, config["spec"]):

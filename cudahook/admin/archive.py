@@ -336,7 +336,9 @@ def _members(stream: Stream, archive: str) -> Iterator[Member]:
         if m.isdir() and size:
             raise ArchiveRefused(f"{archive}: directory {show(raw)} with data")
         m.size = size
-        m.mode = _number(block[100:108], "mode", archive) & 0o7777
+        # Permission bits only: setuid, setgid and sticky have no place on
+        # the files of a checkpoint image.
+        m.mode = _number(block[100:108], "mode", archive) & 0o777
         m.uid = _pax_int(pax, "uid", _number(block[108:116], "uid", archive), archive)
         m.gid = _pax_int(pax, "gid", _number(block[116:124], "gid", archive), archive)
         m.mtime = _number(block[136:148], "mtime", archive)
