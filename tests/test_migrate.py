@@ -742,3 +742,12 @@ def test_exit_codes_one_table__a_changed_or_missing_image_file_is_6(tmp_path: Pa
         migrate.verify_files({"files": {"other.state": good["files"]["cuda-vmm.state"]}},
                              found.hashed)
     assert exc.value.reason == "IMAGE_FILE_MISSING"
+
+
+@pytest.mark.parametrize("process", [[1], {"env": "A=1"}, {"env": [1]}, "x"])
+def test_one_line_errors__a_malformed_spec_is_bad_input(process: object) -> None:
+    spec = {"process": process}
+    small = {"spec.dump": json.dumps(spec).encode(),
+             "config.dump": json.dumps({"name": "c", "spec": spec}).encode()}
+    with pytest.raises(UsageError, match="not a list of strings"):
+        migrate.retarget(small, ["GPU-x"])

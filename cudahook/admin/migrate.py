@@ -204,6 +204,11 @@ def _specs(small: dict[str, bytes]) -> Iterator[tuple[str, Any, dict[str, Any]]]
         spec = data if name == "spec.dump" else data.get("spec") if isinstance(data, dict) else None
         if not isinstance(spec, dict):
             raise UsageError(f"{name} in the archive holds no container spec")
+        process = spec.get("process", {})
+        if not isinstance(process, dict) or not isinstance(process.get("env", []), list) \
+                or not all(isinstance(e, str) for e in process.get("env") or []):
+            raise UsageError(f"{name} in the archive: the spec's process environment is not a "
+                             "list of strings")
         yield name, data, spec
 
 
