@@ -86,13 +86,14 @@ def test_a_truncated_or_damaged_tar_fails_while_scanning(tmp_path: Path) -> None
         migrate.scan(a)
 
 
-@pytest.mark.parametrize("kind", ["abs", "dotdot", "dot-dotdot"])
+@pytest.mark.parametrize("kind", ["abs", "dotdot", "dot-dotdot", "root"])
 def test_archive_names_canonical__absolute_and_escaping_names_refused(tmp_path: Path,
                                                                      kind: str) -> None:
     path = tmp_path / "bad.tar"
     with tarfile.open(path, "w") as tar:
         info = tarfile.TarInfo({"abs": "/etc/x", "dotdot": "checkpoint/../../x",
-                                "dot-dotdot": "./checkpoint/./../../x"}[kind])
+                                "dot-dotdot": "./checkpoint/./../../x", "root": "/"}[kind])
+        info.type = tarfile.DIRTYPE if kind == "root" else tarfile.REGTYPE
         tar.addfile(info, io.BytesIO(b""))
     with pytest.raises(UsageError, match=r"leaves the archive|absolute name"):
         migrate.scan(path)
@@ -263,8 +264,10 @@ if argv[:2] == ["container", "inspect"]:
 if argv[:1] == ["rm"]:
     sys.exit(0)
 if argv[:2] == ["container", "checkpoint"]:
-    out = [a for a in argv if a.startswith("--export=")][0][len("--export="):]
-    shutil.copyfile(conf["export_from"], out)
+    i = [n for n, a in enumerate(argv) if a.startswith("--export")][0]
+    out = argv[i][len("--export="):] if "=" in argv[i] else argv[i + 1]
+    if conf.get("export_from"):  # else: exit 0, no archive written
+        shutil.copyfile(conf["export_from"], out)
     sys.exit(0)
 sys.exit(3)
 '''
@@ -522,6 +525,7 @@ def test_exit_codes_one_table__damaged_manifest_agrees_with_check(
 
 
 def good_archive(tmp: Path, config: dict | None = None, spec: dict | None = None) -> Path:
+    tmp.mkdir(exist_ok=True)
     s = spec or SPEC
     return archive(tmp, {"spec.dump": json.dumps(s).encode(),
                          "config.dump": json.dumps({"name": "c", "spec": s, **(config or {})}
@@ -539,6 +543,12 @@ def test_one_line_errors__names_from_the_archive_are_escaped(tmp_path: Path) -> 
     raw = tar_bytes(MEMBERS)[:-1024] + header("a\x1b]0;x\x07", 0, tarfile.SYMTYPE) + END
     r = node.restore(write(tmp_path, raw))
     refused(r, Exit.USAGE, "\\x1b]0;x\\x07", node)
+    for bad in ("-rf", "x\ny"):
+        r = node.restore(good_archive(tmp_path / bad.replace("\n", "_"), {"name": bad}))
+        refused(r, Exit.USAGE, "not a container name", node)
+    r = node.restore(good_archive(tmp_path / "ok"), "--name", "\x1b[2J")
+    refused(r, Exit.USAGE, "--name '\\x1b[2J': not a container name", node)
+    assert node.calls() == []
 
 
 def test_remove_only_own__a_container_someone_else_made_stays(tmp_path: Path) -> None:
@@ -751,3 +761,29 @@ def test_one_line_errors__a_malformed_spec_is_bad_input(process: object) -> None
              "config.dump": json.dumps({"name": "c", "spec": spec}).encode()}
     with pytest.raises(UsageError, match="not a list of strings"):
         migrate.retarget(small, ["GPU-x"])
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut"])
+def test_one_line_errors__a_damaged_gzip_stream_is_one_line(tmp_path: Path, damage: str) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    a = good_archive(tmp_path)
+    data = bytearray(a.read_bytes())
+    if damage == "flipped":
+        data[len(data) * 2 // 3] ^= 0xFF
+    else:
+        del data[len(data) * 2 // 3:]
+    a.write_bytes(bytes(data))
+    r = node.restore(a, "--no-verify")
+    refused(r, Exit.USAGE, "not a complete checkpoint archive", node)
+
+
+def test_one_line_errors__podman_exits_0_without_an_archive(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake()  # podman's checkpoint says it succeeded, and writes nothing
+    out = tmp_path / "job.tar.gz"
+    r = node.run("checkpoint", "c", str(out))
+    assert r.returncode == Exit.FAILED, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "wrote no archive" in lines[0], r.stderr
+    assert list(tmp_path.glob("job.tar.gz*")) == []

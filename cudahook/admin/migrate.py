@@ -372,8 +372,15 @@ def checkpoint(ctx: Any, podman: Sequence[str], container: str, archive: Path, *
             if not res.ok:
                 reason, code = _podman_reason(res)
                 raise MigrateFailed(f"checkpoint of {ar.show(container)} failed: {reason}", code)
+            try:
+                st = partial.lstat()
+            except FileNotFoundError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode):
+                raise MigrateFailed(f"podman reported the checkpoint of {ar.show(container)} "
+                                    f"done but wrote no archive ({partial.name})")
             digest = sha256_of(partial)
-            size = partial.stat().st_size
+            size = st.st_size
             os.replace(partial, archive)
         finally:
             partial.unlink(missing_ok=True)
