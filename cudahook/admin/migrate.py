@@ -92,18 +92,19 @@ def expected_checksum(archive: Path) -> str:
     try:
         text = safeio.read_bytes(side, 4096).decode(errors="replace")
     except FileNotFoundError:
-        raise UsageError(f"{side} is missing: the archive cannot be checked "
+        raise UsageError(f"{one_line(str(side))} is missing: the archive cannot be checked "
                          "(copy it with the archive, or --no-verify)") from None
     except (OSError, safeio.FileRefused) as exc:
-        raise UsageError(f"{side}: unreadable ({one_line(str(exc))})") from None
+        raise UsageError(one_line(f"{side}: unreadable ({exc})")) from None
     want = text.split()[0].lower() if text.split() else ""
     if not re.fullmatch(r"[0-9a-f]{64}", want):
-        raise UsageError(f"{side}: not a sha256 checksum")
+        raise UsageError(f"{one_line(str(side))}: not a sha256 checksum")
     return want
 
 
 def mismatch(archive: Path, got: str | None, want: str) -> UsageError:
-    return UsageError(f"{archive} does not match {sidecar(archive).name} (damaged or cut short "
+    return UsageError(f"{one_line(str(archive))} does not match "
+                      f"{one_line(sidecar(archive).name)} (damaged or cut short "
                       f"in transit): sha256 {got or 'unreadable'}, expected {want}")
 
 
@@ -113,7 +114,7 @@ def verify_checksum(archive: Path) -> str:
     try:
         got = sha256_of(archive)
     except OSError as exc:
-        raise UsageError(f"{archive}: unreadable ({exc.strerror})") from None
+        raise UsageError(f"{one_line(str(archive))}: unreadable ({exc.strerror})") from None
     if got != want:
         raise mismatch(archive, got, want)
     return got
@@ -141,7 +142,7 @@ def scan(archive: Path, copy_to: Path | None = None, *,
                            room=room, max_bytes=max_bytes, timeout_s=timeout_s)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-            raise EnvironmentProblem(f"cannot write the restore's copy of {archive.name}: "
+            raise EnvironmentProblem(f"cannot write the restore's copy of {ar.show(archive.name)}: "
                                      f"{exc.strerror}") from None
         raise
 
@@ -487,8 +488,8 @@ def make_work(ctx: Any, parent: Path) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{pid}-{ctx.host.start_time(pid)}-",
                                      dir=parent))
     except OSError as exc:
-        raise EnvironmentProblem(f"cannot make a work directory in {parent}: {exc.strerror}"
-                                 ) from None
+        raise EnvironmentProblem(f"cannot make a work directory in {one_line(str(parent))}: "
+                                 f"{exc.strerror}") from None
 
 
 def sweep_stale(ctx: Any, parent: Path) -> list[str]:
@@ -578,7 +579,7 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
     from . import signing
 
     if not archive.is_file():
-        raise UsageError(f"{archive}: no such archive")
+        raise UsageError(f"{one_line(str(archive))}: no such archive")
     if name is not None and not NAME_RE.fullmatch(name):
         raise UsageError(f"--name {ar.show(name)}: not a container name")
     max_bytes, require, keys_dir = _limits(ctx)
@@ -594,7 +595,8 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                                        "(--verify-key, migrate_trusted_keys_dir)")
     parent = Path(work_dir or tempfile.gettempdir())
     if not parent.is_dir():
-        raise EnvironmentProblem(f"cannot make a work directory in {parent}: no such directory")
+        raise EnvironmentProblem(f"cannot make a work directory in {one_line(str(parent))}: "
+                                 "no such directory")
     sweep_stale(ctx, parent)
     token = uuid.uuid4().hex
     with _interruptible() as deferred:
@@ -622,7 +624,7 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                 verified.append(f"origin (signed by {origin['key_id']})")
             for required in SPEC_FILES:
                 if required not in found.small:
-                    raise UsageError(f"{archive}: not a podman checkpoint archive "
+                    raise UsageError(f"{one_line(str(archive))}: not a podman checkpoint archive "
                                      f"(no {required})")
             data = _manifest(found.small)
             targets: list[str] | None = None
