@@ -799,3 +799,13 @@ def test_one_line_errors__the_archive_path_is_escaped(tmp_path: Path) -> None:
     odd = a.rename(a.with_name("job\x1b]0;x\x07.tar.gz"))
     r = node.restore(odd)
     refused(r, Exit.USAGE, "is missing", node)
+
+
+@pytest.mark.parametrize("data", [b'{"name": "\xff"}', b"[" * 100_000, b"[1]"])
+def test_one_line_errors__a_malformed_config_dump_is_bad_input(tmp_path: Path,
+                                                               data: bytes) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    a = archive(tmp_path, {**MEMBERS, "config.dump": data})
+    r = node.restore(a)
+    refused(r, Exit.USAGE, "config.dump in the archive", node)

@@ -194,14 +194,23 @@ CRIU_CONFIG_ANNOTATIONS = ("org.criu.config", "cudahook.io/criu-config")
 TOKEN_ANNOTATION = "cudahook-migrate/restore-token"
 
 
+def _json(small: dict[str, bytes], name: str) -> Any:
+    """A JSON member of the archive (strict UTF-8, nesting bounded): exit 2
+    when it is missing or malformed."""
+    from cudahook.platform import safeio
+
+    if name not in small:
+        raise UsageError(f"{name} is not in the archive")
+    try:
+        return safeio.parse_json(small[name], f"{name} in the archive")
+    except safeio.FileRefused as exc:
+        raise UsageError(one_line(str(exc))) from exc
+
+
 def _specs(small: dict[str, bytes]) -> Iterator[tuple[str, Any, dict[str, Any]]]:
     """(file, its JSON, the OCI spec in it) for spec.dump and config.dump."""
     for name in SPEC_FILES:
-        try:
-            data = json.loads(small[name])
-        except (KeyError, ValueError, RecursionError) as exc:
-            raise UsageError(f"{name} in the archive is unreadable "
-                             f"({one_line(str(exc), 200)})") from None
+        data = _json(small, name)
         spec = data if name == "spec.dump" else data.get("spec") if isinstance(data, dict) else None
         if not isinstance(spec, dict):
             raise UsageError(f"{name} in the archive holds no container spec")
@@ -454,7 +463,7 @@ def _need_image(ctx: Any, podman: Sequence[str], config: dict[str, Any]) -> None
 
 
 #: podman's rule for a container name.
-NAME_RE = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
+NAME_RE = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,252}")
 
 
 def _exists(ctx: Any, podman: Sequence[str], name: str) -> bool:
@@ -635,11 +644,10 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                 verified.append("restore gate")
             elif gpus:
                 raise UsageError("--gpus: the checkpoint holds no CUDA state")
-            try:
-                config = json.loads(found.small["config.dump"])
-                final = name or str(config.get("name") or "")
-            except (ValueError, AttributeError, RecursionError):
-                raise UsageError("config.dump in the archive is unreadable") from None
+            config = _json(found.small, "config.dump")
+            if not isinstance(config, dict):
+                raise UsageError("config.dump in the archive is not a JSON object")
+            final = name or str(config.get("name") or "")
             if final and not NAME_RE.fullmatch(final):
                 raise UsageError(f"config.dump in the archive names the container "
                                  f"{ar.show(final)}: not a container name (--name gives the "
