@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     mgc.add_argument("--leave-running", action="store_true",
                      help="the container goes on here after the checkpoint")
     mgc.add_argument("--compress", choices=("gzip", "none"), default="gzip")
+    mgc.add_argument("--sign-key", metavar="KEY", help="sign the archive (ARCHIVE.sig) with "
+                     "this Ed25519 private key (migrate keygen)")
     mgr = mgs.add_parser("restore", parents=[common],
                          help="restore a container from an archive onto this node's GPUs")
     mgr.add_argument("archive")
@@ -117,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="check the archive and this node (exit 0, 2, 5 or 6), restore nothing")
     mgr.add_argument("--work-dir", help="where the copy naming this node's GPUs is written "
                      "(default: $TMPDIR; as large as the archive, uncompressed)")
+    mgr.add_argument("--verify-key", metavar="PUB", action="append", default=[],
+                     help="a trusted Ed25519 public key: ARCHIVE.sig must be signed by one "
+                     "(repeatable; also migrate_trusted_keys_dir)")
+    mgk = mgs.add_parser("keygen", parents=[common],
+                         help="make an Ed25519 key pair for signing archives")
+    mgk.add_argument("--out", required=True, metavar="KEY",
+                     help="the private key (0600); the public key is KEY.pub")
     for sp in (mgc, mgr):
         sp.add_argument("--podman", default="podman",
                         help="the podman command line, global options included "
@@ -325,12 +334,20 @@ def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
 
     from . import migrate
 
+    if args.migrate_cmd == "keygen":
+        from . import signing
+
+        keys = signing.keygen(Path(args.out))
+        _emit(args, keys, f"{keys['private_key']} (keep it on the checkpointing nodes), "
+              f"{keys['public_key']} (for restoring nodes), {keys['key_id']}")
+        return Exit.OK
     ctx = Context(settings, host)
     podman = migrate.podman_argv(args.podman)
     if args.migrate_cmd == "checkpoint":
         out = migrate.checkpoint(ctx, podman, args.container, Path(args.archive),
                                  leave_running=args.leave_running, compress=args.compress,
-                                 timeout=args.timeout)
+                                 timeout=args.timeout,
+                                 sign_key=Path(args.sign_key) if args.sign_key else None)
         _emit(args, out, f"{out['container']}: checkpointed into {out['archive']} "
               f"({out['bytes']} bytes, sha256 {out['sha256']}); copy it with "
               f"{Path(out['archive']).name}{migrate.SIDECAR}")
@@ -338,11 +355,16 @@ def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
     gpus = [u.strip() for u in args.gpus.split(",") if u.strip()] if args.gpus else None
     out = migrate.restore(ctx, podman, Path(args.archive), name=args.name, gpus=gpus,
                           verify=not args.no_verify, timeout=args.timeout,
-                          work_dir=args.work_dir, dry_run=args.dry_run)
+                          work_dir=args.work_dir, dry_run=args.dry_run,
+                          verify_keys=[Path(k) for k in args.verify_key])
     moved = ", ".join(f"{a}={b}" for a, b in (out["device_map"] or {}).items())
     _emit(args, out, f"{out['container']}: {'would be restored' if args.dry_run else 'restored'}"
           + (f" onto {', '.join(out['gpus'])}" if out["gpus"] else "")
-          + (f" (device map {moved})" if moved else ""))
+          + (f" (device map {moved})" if moved else "")
+          + f"\n  verified: {', '.join(out['verified'])}"
+          + (f"\n  not verified: {', '.join(out['not_verified'])}" if out["not_verified"] else "")
+          + (f"\n  dropped from the spec: {', '.join(out['dropped_annotations'])} (this node's "
+             "CRIU configuration applies)" if out["dropped_annotations"] else ""))
     return Exit.OK
 
 

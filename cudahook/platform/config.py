@@ -63,6 +63,12 @@ class Settings(Record, frozen=True):
     # Prometheus metrics for node_exporter's textfile collector; None: under
     # the state directory. "" turns them off.
     metrics_file: str | None = None
+    # `cudahook migrate restore` (admin/migrate.py, admin/archive.py): the most
+    # an archive may unpack to; whether an archive must carry a signature by
+    # a trusted key; a directory of trusted public keys (*.pub).
+    migrate_max_unpacked_bytes: int = 256 << 30
+    migrate_require_signature: bool = False
+    migrate_trusted_keys_dir: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
