@@ -280,3 +280,76 @@ def test_rollbacks_and_fail_closed_kills_are_counted(node: Node, tmp_path: Path)
     assert value(found, "cudahook_fail_closed_kills_total", container="job-9") == 1
     assert value(found, "cudahook_restores_total", container="job-9", outcome="failed") == 1
     assert value(found, "cudahook_checkpoints_total", container="job-9", outcome="ok") == 1
+
+
+# -- untrusted labels: a manifest's container id and GPU model --------------------------
+
+
+def _settings(tmp_path: Path) -> Settings:
+    return Settings(state_dir=str(tmp_path / "state"), log_file=str(tmp_path / "log"),
+                    metrics_file=str(tmp_path / "collector" / "cudahook.prom"))
+
+
+def _count(settings: Settings, cid: str, model: str | None = "H100", now: float = 1000.0) -> bool:
+    return metrics.update(settings, metrics.Changes(cid, model).inc(
+        "cudahook_checkpoints_total", outcome="ok"), now=now)
+
+
+def test_untrusted_strings_bounded__a_lone_surrogate_never_freezes_the_metrics_file(
+        tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    prom = Path(s.metrics_file)  # type: ignore[arg-type]
+    assert _count(s, "bad\ud800id", "GPU \udcff model")
+    assert _count(s, "good")
+    found = samples(prom)
+    assert value(found, "cudahook_checkpoints_total", container="good", gpu_model="H100") == 1
+    assert value(found, "cudahook_checkpoints_total", container="bad\ufffdid") == 1
+    prom.read_bytes().decode("utf-8")  # strictly valid UTF-8
+    # A state left by an earlier version, holding a surrogate, heals at the next event.
+    state = Path(s.state_dir) / metrics.STATE_NAME
+    data = json.loads(state.read_text())
+    data["series"][0][2]["gpu_model"] = "\udc80"
+    state.write_text(json.dumps(data))
+    assert _count(s, "good", now=1001.0)
+    assert value(samples(prom), "cudahook_checkpoints_total", container="good",
+                 gpu_model="H100") == 2
+
+
+def test_untrusted_strings_bounded__a_huge_model_name_costs_no_other_container(
+        tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    state = Path(s.state_dir) / metrics.STATE_NAME
+    assert _count(s, "a")
+    _count(s, "b", "X" * (2 << 20))
+    _count(s, "c" * 4000, "Y" * 1000)
+    assert state.stat().st_size < 64 << 10
+    assert _count(s, "a", now=1001.0)
+    found = samples(Path(s.metrics_file))  # type: ignore[arg-type]
+    assert value(found, "cudahook_checkpoints_total", container="a") == 2
+    labels = [dict(ls) for (_, ls) in found]
+    assert max(len(v) for ls in labels for v in ls.values()) <= metrics.MAX_LABEL
+
+
+def test_untrusted_strings_bounded__an_event_past_the_cap_is_dropped_alone(
+        tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    state = Path(s.state_dir) / metrics.STATE_NAME
+    assert _count(s, "first")
+    dropped = None
+    for i in range(200):  # each event as large as one may be: MAX_OPS refusal codes
+        c = metrics.Changes(f"big{i}", "M" * 1000)
+        for n in range(metrics.MAX_OPS + 50):
+            c.inc("cudahook_refusals_total", side="restore", reason=f"{n:04d}" + "R" * 200)
+        if not metrics.update(s, c, now=1000.0 + i):
+            dropped = i
+            break
+    assert dropped is not None and dropped > 1
+    assert state.stat().st_size <= 1 << 20
+    # The event that did not fit left a line in the log, and everyone else's series.
+    assert any(json.loads(line).get("event") == "metrics" and "big" in line
+               for line in Path(s.log_file).read_text().splitlines())
+    assert _count(s, "first", now=2000.0) is not None
+    found = samples(Path(s.metrics_file))  # type: ignore[arg-type]
+    assert value(found, "cudahook_checkpoints_total", container="first") == 2
+    assert value(found, "cudahook_refusals_total", container=f"big{dropped - 1}",
+                 reason="0000" + "R" * 200) == 1
