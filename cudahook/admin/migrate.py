@@ -137,7 +137,9 @@ def _reading(archive: Path) -> Iterator[None]:
                                      f"{exc.strerror}") from None
         raise UsageError(f"{archive}: not a complete checkpoint archive ({exc})") from None
     except (tarfile.TarError, EOFError, zlib.error) as exc:
-        raise UsageError(f"{archive}: not a complete checkpoint archive ({exc})") from None
+        # tarfile's "could not be opened" lists every method it tried, a line each.
+        why = str(exc) if "\n" not in str(exc) else "not a tar, gzip, bzip2 or xz archive"
+        raise UsageError(f"{archive}: not a complete checkpoint archive ({why})") from None
 
 
 def scan(archive: Path, copy_to: Path | None = None) -> dict[str, bytes]:
@@ -218,18 +220,33 @@ def set_visible(spec: dict[str, Any], gpus: Sequence[str]) -> None:
                 del notes[key]
 
 
+def _json(small: dict[str, bytes], name: str) -> Any:
+    """A member's JSON; malformed, not UTF-8 or nested too deeply: exit 2."""
+    from cudahook.platform import safeio
+
+    return safeio.parse_json(small[name], f"{name} in the archive")
+
+
+# podman's rule for a container name (and a cap): the name goes on podman's
+# command line and is printed, so anything else from an archive is refused.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,252}")
+
+
 def retarget(small: dict[str, bytes], gpus: Sequence[str]) -> dict[str, bytes]:
     """The container's spec, which podman keeps twice (spec.dump, and inside
     config.dump), naming this node's GPUs: the new contents of both."""
     out = {}
     for name in SPEC_FILES:
-        try:
-            data = json.loads(small[name])
-        except (KeyError, ValueError) as exc:
-            raise UsageError(f"{name} in the archive is unreadable ({exc})") from None
+        if name not in small:
+            raise UsageError(f"{name} in the archive is missing")
+        data = _json(small, name)
         spec = data if name == "spec.dump" else data.get("spec") if isinstance(data, dict) else None
         if not isinstance(spec, dict):
             raise UsageError(f"{name} in the archive holds no container spec")
+        process = spec.get("process", {})
+        env = process.get("env") or [] if isinstance(process, dict) else None
+        if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
+            raise UsageError(f"{name} in the archive: process.env is not a list of strings")
         set_visible(spec, gpus)
         out[name] = json.dumps(data).encode()
     return out
@@ -413,11 +430,13 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
             targets, mapping = plan(ctx, data, gpus)
         elif gpus:
             raise UsageError("--gpus: the checkpoint holds no CUDA state")
-        try:
-            config = json.loads(small["config.dump"])
-            final = name or str(config.get("name") or "")
-        except (ValueError, AttributeError):
-            raise UsageError("config.dump in the archive is unreadable") from None
+        config = _json(small, "config.dump")
+        if not isinstance(config, dict):
+            raise UsageError("config.dump in the archive is unreadable (not a JSON object)")
+        final = name or str(config.get("name") or "")
+        if final and not _NAME.fullmatch(final):
+            raise UsageError(f"container name {final[:300]!r} is not one podman takes "
+                             f"({'--name' if name else 'config.dump in the archive'})")
         if final and _exists(ctx, podman, final):
             raise UsageError(f"a container named {final} exists on this node "
                              "(--name gives the restored one another)")
