@@ -179,3 +179,16 @@ def test_config_fails_cleanly__the_alias_bomb_in_bounded_memory(tmp_path: Path) 
     code, err, took, rss = _cli(str(f))
     assert code == 3 and "aliases" in err
     assert took < 10 and rss < 300 << 10, (took, rss)
+
+
+def test_config_fails_cleanly__a_nan_cached_by_an_older_version_is_not_taken(
+        tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("CUDAHOOK_ROOT", str(tmp_path))
+    f = tmp_path / "c.yaml"
+    f.write_text("call_timeout_s: .nan\n")
+    # What a version without the check cached for this very file.
+    key, _ = configcache.lookup(f)
+    configcache.remember(f, key, {**Settings().as_dict(), "call_timeout_s": float("nan")})
+    assert "NaN" in configcache.cache_path().read_text()
+    with pytest.raises(ConfigError, match="not a finite number"):
+        config.load(f)

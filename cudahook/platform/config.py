@@ -212,7 +212,8 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
     explicit = path or os.environ.get(ENV_PATH)
     target = Path(explicit) if explicit else default_path()
     key, cached = configcache.lookup(target)
-    if cached is not None:
+    # A value an older version let through (NaN) is not taken from the cache.
+    if cached is not None and _not_finite(cached) is None:
         try:
             return Settings(**cached)
         except TypeError:
