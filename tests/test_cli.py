@@ -219,6 +219,9 @@ def test_one_line_errors__an_unexpected_exception_is_one_line_and_logged(tmp_pat
 def test_one_line_errors__check_image_with_a_long_name_is_2(tmp_path) -> None:  # type: ignore[no-untyped-def]
     one_line_error(cli("check", "--image", "x" * 300, config=_plain_config(tmp_path)), 2,
                    "not a directory")
+    for where in ("x" * 300, str(tmp_path / "none")):
+        one_line_error(cli("status", "--manifest", where, config=_plain_config(tmp_path)), 2,
+                       "not a directory")
 
 
 def test_one_line_errors__invalid_utf8_in_config_is_3(tmp_path) -> None:  # type: ignore[no-untyped-def]

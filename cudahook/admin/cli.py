@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from cudahook.platform.errors import Exit, UsageError, escape_lines, one_line, report
@@ -198,8 +199,6 @@ def run(args: argparse.Namespace) -> int:
     from cudahook.platform.host import Host
 
     if args.cmd == "configure":
-        from pathlib import Path
-
         from cudahook.platform import paths
 
         from .configure import ConfigureError, configure
@@ -258,6 +257,10 @@ def run(args: argparse.Namespace) -> int:
         from . import status
 
         if args.manifest:
+            from .check import _is_dir
+
+            if not _is_dir(Path(args.manifest)):
+                raise UsageError(f"--manifest {args.manifest}: not a directory")
             _emit(args, _manifest_json(args.manifest), status.manifest_chart(args.manifest))
             return Exit.OK
         data = status.gather(ctx, live=not args.no_live)
@@ -362,8 +365,6 @@ def _container_of(settings: Any, host: Any, args: argparse.Namespace) -> str | N
 
 
 def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
-    from pathlib import Path
-
     from cudahook.hooks.context import Context
 
     from . import migrate
@@ -390,8 +391,6 @@ def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
 
 
 def _manifest_json(image_dir: str) -> Any:
-    from pathlib import Path
-
     from cudahook.core.manifest import read
 
     return read(Path(image_dir))
