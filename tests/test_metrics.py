@@ -353,3 +353,33 @@ def test_untrusted_strings_bounded__an_event_past_the_cap_is_dropped_alone(
     assert value(found, "cudahook_checkpoints_total", container="first") == 2
     assert value(found, "cudahook_refusals_total", container=f"big{dropped - 1}",
                  reason="0000" + "R" * 200) == 1
+
+
+def test_untrusted_strings_bounded__a_hostile_manifest_at_post_restore_costs_no_other_container(
+        node: Node, tmp_path: Path) -> None:
+    """Through the installed action script: a manifest whose GPU model is
+    2 MiB (or holds a lone surrogate) is refused, and the counters every
+    other container had are still there at the next event."""
+    script = install(tmp_path, node)
+    settings = node.settings()
+    assert metrics.update(settings, metrics.Changes("other", "H100").inc(
+        "cudahook_checkpoints_total", outcome="ok"))
+    init = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    node.procs.append(init)  # type: ignore[arg-type]
+    for n, model in enumerate(["X" * (2 << 20), "GPU \ud800"]):
+        image = tmp_path / f"img{n}"
+        image.mkdir()
+        data = {"version": 1, "container_id": "c1", "driver_version": "550.54.15",
+                "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}],
+                "gpu_models": {node.lab.uuids[0]: {"name": model}}}
+        (image / manifest.NAME).write_text(json.dumps(data))
+        r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+                   CRTOOLS_IMAGE_DIR=str(image))
+        assert r.returncode == 6 and r.stderr.count("\n") == 1 and len(r.stderr) < 4000, r.stderr
+    assert metrics.update(settings, metrics.Changes("other", "H100").inc(
+        "cudahook_checkpoints_total", outcome="ok"))
+    state = Path(settings.state_dir) / metrics.STATE_NAME
+    assert state.stat().st_size < 64 << 10
+    found = samples(metrics_file(node))
+    assert value(found, "cudahook_checkpoints_total", container="other") == 2
+    assert init.poll() is None
