@@ -123,9 +123,11 @@ def one_line(text: object, limit: int = 2000) -> str:
     return out[:limit] + "..." if cut or len(out) > limit else out
 
 
-def escape_lines(text: str, limit: int = 2000) -> str:
+def escape_lines(text: str, limit: int = 20000) -> str:
     """A report of several lines, each made safe by `one_line` (the line
-    breaks are cudahook's own; everything inside a line is escaped)."""
+    breaks are cudahook's own; everything inside a line is escaped). The
+    cap per line is generous: a report's lines are cudahook's, only the
+    values inside them come from outside."""
     return "\n".join(one_line(line, limit) for line in text.split("\n"))
 
 
