@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from . import configcache, paths
-from .errors import ConfigError, one_line
+from .errors import ConfigError, CudahookError, one_line
 from .record import Record
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -153,14 +153,17 @@ def _read(target: Path) -> bytes:
     """The file's bytes: a regular file, capped, under a deadline. The
     operator's own symlinks (a Kubernetes ConfigMap mount is one) are
     followed to their end, which must then be a regular file."""
-    from . import safeio
-
     try:
         real = os.path.realpath(target)
+        # No file at all (the default path on most nodes) is told by one
+        # stat: safeio's deadline thread is only paid for a file to read.
+        os.stat(real)
+        from . import safeio
+
         return safeio.read_bytes(real, MAX_BYTES, READ_TIMEOUT_S)
     except FileNotFoundError:
         raise
-    except safeio.FileRefused as exc:
+    except CudahookError as exc:  # safeio.FileRefused
         raise ConfigError(one_line(f"{target}: {str(exc).rpartition(': ')[2]}")) from None
     except OSError as exc:
         raise ConfigError(one_line(f"{target}: {exc.strerror or exc}")) from None
