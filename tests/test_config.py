@@ -129,6 +129,8 @@ def _alias_bomb() -> str:
     ("invalid_utf8", b"state_dir: /run/\xff\xfe\n", "not UTF-8"),
     ("deep", "[" * 100000 + "]" * 100000 + "\n", ""),
     ("wrong_type", "sequential: [1, 2]\n", "sequential"),
+    ("empty_tagged_float", "max_parallel: !!float \n", "YAML cannot read"),
+    ("bad_timestamp", "call_timeout_s: !!timestamp 2001-13-45\n", "YAML cannot read"),
     ("nul_in_a_path", 'state_dir: "/run/a\\0b"\n', "state_dir"),
     ("escape_in_a_path", 'log_file: "/var/log/\\e]0;x\\a"\n', "log_file"),
     ("escape_in_a_key", "\"\\e]0;pwned\\a\": 1\n", "Additional properties"),

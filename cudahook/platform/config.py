@@ -199,10 +199,17 @@ def parse_yaml(raw: bytes, what: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(one_line(f"{what}:{where} not valid YAML")) from None
-    except ValueError:  # int(): past sys.get_int_max_str_digits()
-        raise ConfigError(one_line(f"{what}: a number with too many digits")) from None
+    except ConfigError:
+        raise
     except RecursionError:
         raise ConfigError(one_line(f"{what}: nested too deeply")) from None
+    except ValueError as exc:
+        if "digits" in str(exc):  # int(): past sys.get_int_max_str_digits()
+            raise ConfigError(one_line(f"{what}: a number with too many digits")) from None
+        raise ConfigError(one_line(f"{what}: a value YAML cannot read ({exc})", 300)) from None
+    except Exception as exc:  # PyYAML's constructors: "!!float " is an IndexError
+        raise ConfigError(one_line(f"{what}: a value YAML cannot read ({type(exc).__name__})")
+                          ) from None
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Settings:
