@@ -244,7 +244,7 @@ def retarget(small: dict[str, bytes], gpus: Sequence[str]) -> dict[str, bytes]:
         if not isinstance(spec, dict):
             raise UsageError(f"{name} in the archive holds no container spec")
         process = spec.get("process", {})
-        env = process.get("env") or [] if isinstance(process, dict) else None
+        env = (process.get("env") or []) if isinstance(process, dict) else None
         if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
             raise UsageError(f"{name} in the archive: process.env is not a list of strings")
         set_visible(spec, gpus)
