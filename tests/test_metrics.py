@@ -383,3 +383,17 @@ def test_untrusted_strings_bounded__a_hostile_manifest_at_post_restore_costs_no_
     found = samples(metrics_file(node))
     assert value(found, "cudahook_checkpoints_total", container="other") == 2
     assert init.poll() is None
+
+
+def test_untrusted_strings_bounded__an_oversized_result_costs_only_itself(tmp_path: Path) -> None:
+    """The history `cudahook status` shows: a result too large for the
+    store's read cap is not written, and the results kept before stay."""
+    import contextlib
+
+    from cudahook.platform.errors import CudahookError
+
+    store = Store(tmp_path / "state")
+    store.remember("c1", "checkpoint", {"ok": True, "time": 1.0})
+    with contextlib.suppress(CudahookError):  # store.TooLarge: this result is not kept
+        store.remember("c1", "restore", {"ok": False, "error": "X" * (2 << 20)})
+    assert store.history()["c1"]["checkpoint"] == {"ok": True, "time": 1.0}
