@@ -300,3 +300,38 @@ def test_one_line_errors__status_escapes_what_the_state_holds(tmp_path) -> None:
     r = cli("status", "--no-live", config=cfg)
     assert r.returncode == 0, r
     assert "\x1b" not in r.stdout and "\\x1b]0;pwned\\x07" in r.stdout and "\\x1b[2J" in r.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["status", "\x1b]0;owned\x07"], ["--config", "\u202e", "gpus"], ["gpus", "--config", "x\ny"],
+    ["check", "--image", "p\x9b"], ["migrate", "restore", "\u202e\u2066"],
+])
+def test_one_line_errors__arguments_are_escaped_in_errors(args: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "cudahook", *args], capture_output=True,
+                       timeout=60)
+    err = r.stderr.decode("utf-8", "surrogateescape")
+    assert r.returncode in (2, 3) and err.count("\n") == 1 and err.startswith("cudahook: "), err
+    assert err[:-1].isprintable(), err
+    assert not any(c in err for c in "\x1b\x07\u202e\u2066\x9b")
+
+
+def test_one_line_errors__another_users_process_is_one_line_exit_5() -> None:
+    # As an unprivileged user: /proc/1/ns/pid cannot be read. A directory
+    # that user can reach (pytest's own is root's, 0700).
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="cudahook-nobody-", dir="/tmp"))
+    try:
+        root.chmod(0o777)
+        cfg = _plain_config(root)
+        Path(cfg).chmod(0o644)
+        code = ("import os, sys\nos.setgroups([])\nos.setgid(65534)\nos.setuid(65534)\n"
+                "from cudahook.admin import cli\n"
+                f"sys.exit(cli.main(['--config', {cfg!r}, 'discover', '--init-pid', '1']))\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, env={"PATH": "/usr/bin:/bin", "CUDAHOOK_ROOT": str(root)})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    one_line_error(r, 5, "need root")

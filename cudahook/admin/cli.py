@@ -15,7 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from cudahook.platform.errors import Exit, UsageError, escape_lines, one_line, report
+from cudahook.platform.errors import (
+    EnvironmentProblem,
+    Exit,
+    UsageError,
+    escape_lines,
+    one_line,
+    report,
+)
 
 # The kernel's PID range: pid_max is at most 4194304 (2^22).
 PID_MAX = 1 << 22
@@ -177,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cudahook: interrupted", file=sys.stderr)
         return 130
+    except PermissionError as exc:
+        # Looking into another user's processes (/proc/PID/ns, fds) needs root.
+        where = f"{exc.filename}: " if exc.filename else ""
+        return report(EnvironmentProblem(f"{where}{exc.strerror or 'permission denied'} "
+                                         "(cudahook's commands need root)"))
     except Exception as exc:
         log_file = getattr(args, "log_file", None)
         if log_file is None:
