@@ -152,8 +152,11 @@ HEADER = ("CONTAINER ID", "STATE", "GPUS", "LAST CHECKPOINT", "LAST RESTORE")
 
 
 def _cell(value: object) -> str:
-    """Every table cell passes through here: the one place its text is made."""
-    return str(value)
+    """Every table cell passes through here: the one place its text is made,
+    escaped (ids and GPU names come from specs and manifests) and capped."""
+    from cudahook.platform.errors import one_line
+
+    return one_line(str(value), 80)
 
 
 def table(rows: list[tuple[object, ...]], header: tuple[str, ...] = HEADER) -> str:
