@@ -290,7 +290,7 @@ def test_container_check_is_remembered_for_status(node: Node) -> None:
     finally:
         os.kill(a, signal.SIGCONT)
     r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(cfg), "status",
-                        "--no-live"], capture_output=True, text=True, timeout=60)
+                        "job-1", "--no-live"], capture_output=True, text=True, timeout=60)
     assert "last check (checkpoint):" in r.stdout and "REFUSED PROCESS_STOPPED" in r.stdout
     data = json.loads(subprocess.run(
         [sys.executable, "-m", "cudahook", "--config", str(cfg), "--json", "status", "--no-live"],

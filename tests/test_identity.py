@@ -25,6 +25,7 @@ from cudahook.hooks import oci_hook
 from cudahook.hooks.runtime_wrapper import add_hooks
 from cudahook.platform import criuconf, paths
 from cudahook.platform.errors import UsageError
+from cudahook.platform.marks import mark
 from cudahook.platform.store import Store, container_key
 
 ACTION = "/opt/h/cudahook-criu-action"
@@ -106,8 +107,9 @@ def test_container_key_is_the_id_and_where_its_bundle_really_is(tmp_path: Path) 
 def test_two_containers_of_one_id_keep_their_own_state(
         node: Path, tmp_path: Path, inits: list[subprocess.Popen[bytes]],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # The second one names its own CRIU configuration: its copy holds its options.
-    own = tmp_path / "own.conf"
+    # The second one names its own CRIU configuration (one of the operator's,
+    # in /etc/criu): its copy holds its options.
+    own = paths.at("/etc/criu/own.conf")
     own.write_text("ghost-limit 2M\n")
     ba = gpu_bundle(tmp_path / "root-a" / "web")
     bb = gpu_bundle(tmp_path / "root-b" / "web", {criuconf.ANNOTATION: str(own)})
@@ -141,8 +143,7 @@ def test_a_record_from_before_keys_is_forgotten_by_its_own_container_only(
     bb = gpu_bundle(tmp_path / "b")
     store = Store(node)
     store.update("web", bundle=str(ba), pid=None)  # as written before keys: named by the id
-    paths.at(paths.MARKS_DIR).joinpath("gpu").mkdir(parents=True)
-    paths.at(paths.MARKS_DIR).joinpath("gpu", "web").touch()
+    mark("gpu", "web")
     criuconf.write(node, "web", "x\n")
     # Another container of that id (another root) stops: the old record is not its.
     state = {"ociVersion": "1.0.2", "id": "web", "status": "stopped", "bundle": str(bb)}

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,19 +79,81 @@ def test_status_shows_containers_processes_and_timelines(node) -> None:  # type:
     store.remember("job-1", "checkpoint", {"time": 1.0, "ok": True, "total_s": 0.5,
                                             "timeline": res.timeline.to_dict()})
     store.remember("gone-2", "restore", {"time": 2.0, "ok": False, "error": "pid 9: boom"})
+    store.remember("job-1", "restore", {"time": time.time() - 125, "ok": False,
+                                         "reasons": ["DRIVER_BRANCH"], "error": "no"})
+    store.update("stopped-3", pid=2**22 + 1, pid_start=None, visible=[node.lab.uuids[1]])
     cfg = node_config(node)
+
+    # The default: one line per live container, no process probed, no chart.
     r = cli(cfg, "status")
     assert r.returncode == 0, r.stderr
-    out = r.stdout
+    lines = r.stdout.splitlines()
+    assert lines[1].split() == ["CONTAINER", "ID", "STATE", "GPUS", "LAST", "CHECKPOINT", "LAST",
+                                "RESTORE"]
+    row = lines[2].split()
+    assert row[:3] == ["job-1", "running", node.lab.uuids[0][:12]], lines
+    assert row[3].endswith("d") and row[4:] == ["ago", "ok", "2m", "ago", "refused"], lines
+    assert lines[3:] == ["(2 not running or gone: cudahook status --all)"], lines
+    assert "|" not in r.stdout and "checkpointed" not in r.stdout
+    assert len(lines) == 4
+
+    # --all: the others too, one line each.
+    lines = cli(cfg, "status", "--all").stdout.splitlines()
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:]}
+    assert set(rows) == {"job-1", "gone-2", "stopped-3"} and len(lines) == 5, lines
+    assert rows["gone-2"][1:3] == ["gone", "-"] and rows["gone-2"][3] == "-"
+    assert rows["gone-2"][-1] == "FAILED" and rows["stopped-3"][1:3] == ["not", "running"]
+
+    # One container in detail: its processes probed, its timeline.
+    out = cli(cfg, "status", "job").stdout
     assert "job-1  running" in out
     for pid in pids:
         assert f"pid {pid}" in out and "checkpointed" in out
     assert "last checkpoint:" in out and "checkpoint timeline:" in out and "|" in out
+    assert "gone-2" not in out
+    out = cli(cfg, "status", "gone-2").stdout
     assert "gone-2  gone" in out and "FAILED: pid 9: boom" in out
+    r = cli(cfg, "status", "nope")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "cudahook: no container known by the id 'nope'\n"
+
+    # --json as before: every container, the live ones probed.
     data = json.loads(cli(cfg, "--json", "status").stdout)
+    assert {c["id"] for c in data["containers"]} == {"job-1", "gone-2", "stopped-3"}
     job = next(c for c in data["containers"] if c["id"] == "job-1")
     assert {p["state"] for p in job["processes"]} == {"checkpointed"}
     engine.restore(pids)
+
+
+def test_status_table_says_how_long_ago_and_how_it_ended() -> None:
+    from cudahook.admin.status import render
+
+    now = 1_000_000.0
+    containers = [
+        {"id": "a" * 64, "alive": True, "gpus": ["GPU-d3c6bd82-0fc1-50f7-87b6-9bf5d3c4c425",
+                                                  "GPU-f2401959-4145-51e1-8f85-1dcf2fa79505"],
+         "last": {"checkpoint": {"time": now - 5, "ok": True},
+                  "restore": {"time": now - 3 * 86400 - 7, "ok": False, "error": "x"}}},
+        {"id": "b1", "alive": True, "gpus": [],
+         "last": {"checkpoint": {"time": now - 7200, "ok": False, "rolled_back": True},
+                  "restore": {"time": now - 61, "ok": False, "reasons": ["GPU_MISSING"]}}},
+        {"id": "c2", "alive": True, "gpus": ["MIG-1"],
+         "last": {"checkpoint": {"time": now - 59, "ok": False, "unsafe": True}}},
+        {"id": "gone-1", "alive": False, "gone": True, "last": {}},
+    ]
+    data = {"criu_registration": "gpu-only", "containers": containers}
+    assert render(data, now=now) == "\n".join([
+        "CRIU registration: gpu-only",
+        "CONTAINER ID  STATE    GPUS                       LAST CHECKPOINT     LAST RESTORE",
+        "aaaaaaaaaaaa  running  GPU-d3c6bd82,GPU-f2401959  5s ago ok           3d ago FAILED",
+        "b1            running  -                          2h ago rolled back  1m ago refused",
+        "c2            running  MIG-1                      59s ago UNSAFE      -",
+        "(1 not running or gone: cudahook status --all)",
+    ])
+    assert render(data, now=now, show_all=True).splitlines()[-1].split() == [
+        "gone-1", "gone", "-", "-", "-"]
+    assert render({"containers": [containers[3]]}, now=now).splitlines()[1:] == [
+        "no GPU containers running", "(1 not running or gone: cudahook status --all)"]
 
 
 def test_doctor_flags_persistence_off_na_fields_and_no_gpu(make_node) -> None:  # type: ignore[no-untyped-def]
@@ -134,7 +197,7 @@ def test_status_does_not_probe_during_a_checkpoint_or_a_dump(node) -> None:  # t
     cfg = node_config(node, cuda_checkpoint=str(tool))
     with busy.hold(settings.state_dir, "job-1", 5):  # as a pre-dump does
         before = calls.read_text() if calls.exists() else ""
-        r = cli(cfg, "status")
+        r = cli(cfg, "status", "job-1")
         assert r.returncode == 0, r.stderr
         assert "checkpoint or restore is in progress: not probed" in r.stdout
         assert f"pid {pid}" not in r.stdout
@@ -142,12 +205,13 @@ def test_status_does_not_probe_during_a_checkpoint_or_a_dump(node) -> None:  # t
     # CRIU seizes the tasks it dumps: a stopped one is not probed either.
     os.kill(pid, signal.SIGSTOP)
     try:
-        r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(cfg), "status"],
+        r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(cfg), "status",
+                            "job-1"],
                            capture_output=True, text=True, timeout=20)
         assert f"process {pid} is stopped or traced" in r.stdout, r.stdout + r.stderr
     finally:
         os.kill(pid, signal.SIGCONT)
-    r = cli(cfg, "status")
+    r = cli(cfg, "status", "job-1")
     assert f"pid {pid}" in r.stdout and "running" in r.stdout
 
 

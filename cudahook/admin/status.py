@@ -1,5 +1,7 @@
-"""`cudahook status`: the GPU containers cudahook knows, their CUDA processes,
-and the last checkpoint and restore of each, with its timeline."""
+"""`cudahook status`: the GPU containers cudahook knows, one line each (like
+`docker ps`: id, state, GPUs, last checkpoint and restore); `status ID`: one
+of them in detail, its CUDA processes and the timeline of its last
+checkpoint; `--json`: everything, for every container."""
 
 from __future__ import annotations
 
@@ -104,36 +106,124 @@ def _when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def render(data: dict[str, Any]) -> str:
+def _ago(t: Any, now: float) -> str:
+    """How long ago `t` was, in the largest whole unit (docker ps style)."""
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or t <= 0:
+        return "-"
+    s = max(0, int(now - t))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit} ago"
+    return f"{s}s ago"
+
+
+def outcome(last: dict[str, Any]) -> str:
+    """One word for a checkpoint's or restore's result, as the metrics count it."""
+    if last.get("ok"):
+        return "ok"
+    if last.get("reasons"):
+        return "refused"
+    if last.get("unsafe"):
+        return "UNSAFE"
+    if last.get("rolled_back"):
+        return "rolled back"
+    return "FAILED"
+
+
+def _state(c: dict[str, Any]) -> str:
+    return "running" if c.get("alive") else ("gone" if c.get("gone") else "not running")
+
+
+def _short_gpu(uuid: str) -> str:
+    """GPU-d3c6bd82-0fc1-... -> GPU-d3c6bd82: enough to tell a node's GPUs apart."""
+    parts = uuid.split("-")
+    return "-".join(parts[:2]) if len(parts) > 2 else uuid
+
+
+def _last(c: dict[str, Any], kind: str, now: float) -> str:
+    last = (c.get("last") or {}).get(kind)
+    if not isinstance(last, dict) or not last:
+        return "-"
+    return f"{_ago(last.get('time'), now)} {outcome(last)}"
+
+
+ID_WIDTH = 12
+HEADER = ("CONTAINER ID", "STATE", "GPUS", "LAST CHECKPOINT", "LAST RESTORE")
+
+
+def _cell(value: object) -> str:
+    """Every table cell passes through here: the one place its text is made,
+    escaped (ids and GPU names come from specs and manifests) and capped."""
+    from cudahook.platform.errors import one_line
+
+    return one_line(str(value), 80)
+
+
+def table(rows: list[tuple[object, ...]], header: tuple[str, ...] = HEADER) -> str:
+    """Left-aligned columns two spaces apart, the header first."""
+    cells = [[_cell(v) for v in r] for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
+                     for r in cells)
+
+
+def render(data: dict[str, Any], *, show_all: bool = False, now: float | None = None) -> str:
+    """One line per live GPU container (`show_all`: the others too)."""
+    now = time.time() if now is None else now
+    shown = [c for c in data["containers"] if show_all or c.get("alive")]
+    hidden = len(data["containers"]) - len(shown)
     lines = [f"CRIU registration: {data.get('criu_registration', '?')}"]
-    if not data["containers"]:
-        return "\n".join([*lines, "no GPU containers known"])
-    for c in data["containers"]:
-        state = "running" if c.get("alive") else ("gone" if c.get("gone") else "not running")
-        lines.append(f"{c['id']}  {state}  pid {c.get('pid') or '-'}  gpus "
-                     f"{','.join(c.get('gpus') or []) or '-'}")
-        for p in c.get("processes", []):
-            if "error" in p:
-                lines.append(f"    processes: {p['error']}")
-            else:
-                lines.append(f"    pid {p['pid']:<8} nspid {p['nspid']:<6} {p['state']}")
-        for kind in ("checkpoint", "restore", "resume"):
-            last = c.get("last", {}).get(kind)
-            if not last:
-                continue
-            result = "ok" if last.get("ok") else f"FAILED: {last.get('error', '')}"
-            took = f" in {last['total_s']:.3f}s" if "total_s" in last else ""
-            lines.append(f"    last {kind}: {_when(last.get('time'))}{took} {result}")
-        check = c.get("last", {}).get("check")
-        if check:
-            verdict = ("ok" if check.get("ok") else
-                       f"REFUSED {','.join(check.get('codes') or [])}: {check.get('message', '')}")
-            lines.append(f"    last check ({check.get('side', '?')}): {_when(check.get('time'))} "
-                         f"{verdict}")
-        tl = c.get("last", {}).get("checkpoint", {}).get("timeline")
-        if tl:
-            lines.append("    checkpoint timeline:")
-            lines += ["    " + x for x in chart(tl).splitlines()]
+    if shown:
+        lines.append(table([
+            (str(c["id"])[:ID_WIDTH], _state(c),
+             ",".join(_short_gpu(str(g)) for g in c.get("gpus") or []) or "-",
+             _last(c, "checkpoint", now), _last(c, "restore", now))
+            for c in shown]))
+    else:
+        lines.append("no GPU containers running" if not show_all else "no GPU containers known")
+    if hidden:
+        lines.append(f"({hidden} not running or gone: cudahook status --all)")
+    return "\n".join(lines)
+
+
+def select(data: dict[str, Any], cid: str) -> dict[str, Any]:
+    """The container named by its id or a unique prefix of it."""
+    from cudahook.platform.errors import UsageError, one_line
+
+    found = [c for c in data["containers"] if c["id"] == cid]
+    found = found or [c for c in data["containers"] if str(c["id"]).startswith(cid)]
+    if len(found) != 1:
+        what = "no container" if not found else f"{len(found)} containers"
+        raise UsageError(f"{what} known by the id {one_line(cid, 80)!r}")
+    return found[0]
+
+
+def render_one(c: dict[str, Any]) -> str:
+    """One container in detail: its processes, last results and timeline."""
+    lines = [f"{c['id']}  {_state(c)}  pid {c.get('pid') or '-'}  gpus "
+             f"{','.join(c.get('gpus') or []) or '-'}"]
+    for p in c.get("processes", []):
+        if "error" in p:
+            lines.append(f"    processes: {p['error']}")
+        else:
+            lines.append(f"    pid {p['pid']:<8} nspid {p['nspid']:<6} {p['state']}")
+    for kind in ("checkpoint", "restore", "resume"):
+        last = c.get("last", {}).get(kind)
+        if not last:
+            continue
+        result = "ok" if last.get("ok") else f"FAILED: {last.get('error', '')}"
+        took = f" in {last['total_s']:.3f}s" if "total_s" in last else ""
+        lines.append(f"    last {kind}: {_when(last.get('time'))}{took} {result}")
+    check = c.get("last", {}).get("check")
+    if check:
+        verdict = ("ok" if check.get("ok") else
+                   f"REFUSED {','.join(check.get('codes') or [])}: {check.get('message', '')}")
+        lines.append(f"    last check ({check.get('side', '?')}): {_when(check.get('time'))} "
+                     f"{verdict}")
+    tl = c.get("last", {}).get("checkpoint", {}).get("timeline")
+    if tl:
+        lines.append("    checkpoint timeline:")
+        lines += ["    " + x for x in chart(tl).splitlines()]
     return "\n".join(lines)
 
 

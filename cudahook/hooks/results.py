@@ -89,7 +89,7 @@ def _changes(cid: str, kind: str, r: dict[str, Any]) -> Any:
         c.inc("cudahook_gpu_memory_moved_bytes_total", moved, direction=direction)
         busy = spans.get("checkpoint" if kind == "checkpoint" else "restore") or spans.get("toggle")
         if busy:
-            c.set("cudahook_last_transfer_gigabytes_per_second", moved / busy / 1e9,
+            c.set("cudahook_last_transfer_bytes_per_second", moved / busy,
                   direction=direction)
     return c
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .atomic import write_json_atomic
+from .atomic import write_json_atomic  # noqa: F401 - imported from here by others
 from .errors import StateError, UsageError
 from .privdir import ensure_private_dir
 
@@ -120,6 +120,26 @@ def init_of(key: str) -> tuple[int, int] | None:
 # Records, progress and history files are a few kilobytes; a bigger one was
 # not written by cudahook.
 MAX_FILE = 1 << 20
+
+
+class TooLarge(StateError):
+    """A state file would be past MAX_FILE: read_json would refuse it."""
+
+
+def write_bounded(path: Path, data: Any, *, compact: bool = False, durable: bool = True) -> None:
+    """Write `data` as JSON unless it comes to more than MAX_FILE: then
+    TooLarge, and the file stays as it was. A file past the cap would be
+    read back as absent (read_json), so one oversized write would cost
+    everything the file held, not just its own addition."""
+    import json
+
+    from .atomic import write_atomic
+
+    text = (json.dumps(data, separators=(",", ":")) if compact
+            else json.dumps(data, indent=1, sort_keys=True)).encode()
+    if len(text) > MAX_FILE:
+        raise TooLarge(f"{path.name}: {len(text)} bytes would be past {MAX_FILE}: not written")
+    write_atomic(path, text, durable=durable)
 
 
 def read_json(path: Path) -> Any | None:
@@ -229,7 +249,7 @@ class Store:
         return same[0] if len(same) == 1 else None
 
     def save(self, key: str, record: dict[str, Any]) -> None:
-        write_json_atomic(self.record_path(key), {k: v for k, v in record.items() if k != "key"})
+        write_bounded(self.record_path(key), {k: v for k, v in record.items() if k != "key"})
 
     def update(self, key: str, **fields: Any) -> dict[str, Any]:
         with self.locked(key):
@@ -299,7 +319,7 @@ class Store:
             if not isinstance(data, dict):
                 data = {}
             data[kind] = result
-            write_json_atomic(path, data)
+            write_bounded(path, data)  # too large: this result is dropped, the others stay
 
     def history(self) -> dict[str, dict[str, Any]]:
         d = self.root / "history"

@@ -18,6 +18,11 @@ its directories. Both classes are context managers.
   ``docker(...)`` runs docker.io's ``/usr/bin/docker`` (NOT a newer client that
   may sit first on PATH, e.g. /usr/local/bin/docker) with ``-H``.
 
+Both take ``binaries``: :data:`PACKAGED` (Debian 12's packages, above) or a
+set of newer ones that ``scripts/provision-runtimes.sh`` unpacked beside them
+(:func:`private_binaries`: containerd 1.7, docker 26); a set's own directories
+come first on the daemons' PATH, so containerd runs its own shim.
+
 Images come from no registry: :func:`image_tar` writes a ``docker save``
 style archive (manifest.json + config + one layer) of a busybox-static rootfs;
 ``ctr images import`` and ``docker load`` both take it.
@@ -46,6 +51,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +62,15 @@ __all__ = [
     "CTR",
     "DOCKER",
     "DOCKERD",
+    "PACKAGED",
+    "Binaries",
     "Containerd",
     "DaemonError",
     "Dockerd",
     "busybox_rootfs",
     "image_tar",
     "pids_with_args",
+    "private_binaries",
     "runc_wrapper",
     "unmount_under",
 ]
@@ -74,6 +83,8 @@ DOCKERD = "/usr/sbin/dockerd"
 DOCKER = "/usr/bin/docker"
 RUNC = "/usr/sbin/runc"
 NAMESPACE = "cudahook-test"
+#: where scripts/provision-runtimes.sh unpacks the newer runtimes
+PRIVATE_RUNTIMES = Path(__file__).resolve().parents[2] / ".cache" / "runtimes"
 IMAGE = "cudahook/busybox:test"
 
 
@@ -109,6 +120,56 @@ def _checkpoint_target(args: Sequence[str]) -> str | None:
 
 class DaemonError(RuntimeError):
     """A daemon did not start, died, or a client command failed."""
+
+
+@dataclass(frozen=True)
+class Binaries:
+    """One version of containerd (and the docker on top of it) to drive."""
+
+    name: str = "containerd 1.6, docker 20.10"
+    #: the versions the daemons must report (a prefix: "1.6", "20.10")
+    containerd_version: str = "1.6"
+    docker_version: str = "20.10"
+    containerd: str = CONTAINERD
+    ctr: str = CTR
+    shim: str = SHIM
+    dockerd: str = DOCKERD
+    docker: str = DOCKER
+    #: directories put first on the daemons' PATH (the set's shims)
+    path: tuple[str, ...] = ()
+
+    def missing(self, *, docker: bool = True) -> list[str]:
+        """The executables of this set that are not there."""
+        want = [self.containerd, self.ctr, self.shim, RUNC]
+        if docker:
+            want += [self.dockerd, self.docker]
+        return [b for b in want if not os.access(b, os.X_OK)]
+
+
+#: Debian 12's packages
+PACKAGED = Binaries()
+
+
+def private_binaries(containerd: str, docker: str | None = None) -> Binaries:
+    """The set unpacked as PRIVATE_RUNTIMES/containerd-<containerd>* (and
+    docker-<docker>*), e.g. ``private_binaries("1.7", "26")``. Paths that are
+    not there stay in the set, so :meth:`Binaries.missing` names them."""
+
+    def find(name: str, version: str) -> Path:
+        hits = sorted(PRIVATE_RUNTIMES.glob(f"{name}-{version}.*"))
+        return hits[-1] if hits else PRIVATE_RUNTIMES / f"{name}-{version}"
+
+    c = find("containerd", containerd) / "usr" / "bin"
+    d = find("docker", docker) if docker else None
+    return Binaries(
+        name=f"containerd {containerd}" + (f", docker {docker}" if docker else ""),
+        containerd_version=containerd, docker_version=docker or "",
+        containerd=str(c / "containerd"), ctr=str(c / "ctr"),
+        shim=str(c / "containerd-shim-runc-v2"),
+        dockerd=str(d / "usr" / "sbin" / "dockerd") if d else DOCKERD,
+        docker=str(d / "usr" / "bin" / "docker") if d else DOCKER,
+        path=(str(c),),
+    )
 
 
 def tail(path: Path, n: int = 40) -> str:
@@ -378,7 +439,9 @@ class Containerd(_Daemon):
         start_timeout: float = 30,
         extra_env: Mapping[str, str] | None = None,
         gc: Mapping[str, Any] | None = None,
+        binaries: Binaries = PACKAGED,
     ) -> None:
+        self.bins = binaries
         self.dir = Path(tmpdir)
         #: settings of containerd's garbage collection scheduler (e.g.
         #: ``pause_threshold``): how long a deleted blob stays in the store
@@ -399,6 +462,8 @@ class Containerd(_Daemon):
         path = DEFAULT_PATH
         if criu_path is not None and str(criu_path.parent) not in path.split(":"):
             path = f"{criu_path.parent}:{path}"
+        if binaries.path:
+            path = ":".join([*binaries.path, path])
         if self.path_prefix is not None:
             path = f"{self.path_prefix}:{path}"
         self.env = {
@@ -476,7 +541,7 @@ disabled_plugins = {json.dumps(disabled)}
             atexit.register(self.stop)  # a crashed test run still cleans up
         self.write_config()
         self._logfh = self.log.open("ab")
-        self.proc = _launch([CONTAINERD, "--config", str(self.config)], self.env, self._logfh)
+        self.proc = _launch([self.bins.containerd, "--config", str(self.config)], self.env, self._logfh)
 
         def ready() -> bool:
             res = self.ctr("version", check=False, timeout=5)
@@ -495,7 +560,7 @@ disabled_plugins = {json.dumps(disabled)}
     # -- clients ------------------------------------------------------------
 
     def ctr_cmd(self, *args: str, namespace: str | None = None) -> list[str]:
-        return [CTR, "--address", self.address, "--namespace", namespace or self.namespace, *args]
+        return [self.bins.ctr, "--address", self.address, "--namespace", namespace or self.namespace, *args]
 
     def ctr(
         self,
@@ -520,6 +585,12 @@ disabled_plugins = {json.dumps(disabled)}
 
     def log_tail(self, n: int = 30) -> str:
         return f"containerd log {self.log} (tail):\n{tail(self.log, n)}"
+
+    def server_version(self) -> str:
+        """The version the running containerd reports (``ctr version``)."""
+        out = self.ctr("version").stdout.split("Server:", 1)[-1]
+        return next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
+                     if ln.strip().startswith("Version:")), "")
 
     # -- images and containers -----------------------------------------------
 
@@ -594,6 +665,10 @@ disabled_plugins = {json.dumps(disabled)}
 
     def remove(self, cid: str, timeout: float = 15) -> None:
         """Kill the task (SIGKILL), delete it and the container; tolerate absence."""
+        if self.tasks().get(cid, (0, ""))[1] == "CREATED":
+            # Left by a restore that failed: containerd 1.6's `tasks delete
+            # --force` hangs on it, a plain delete removes it.
+            self.ctr("tasks", "delete", cid, check=False)
         if cid in self.tasks():
             self.ctr("tasks", "kill", "--all", "--signal", "SIGKILL", cid, check=False)
             deadline = time.monotonic() + timeout
@@ -690,7 +765,9 @@ class Dockerd(_Daemon):
         start_timeout: float = 60,
         extra_config: Mapping[str, Any] | None = None,
         gc: Mapping[str, Any] | None = None,
+        binaries: Binaries = PACKAGED,
     ) -> None:
+        self.bins = binaries
         self.dir = Path(tmpdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.data_root = self.dir / "data"
@@ -704,7 +781,7 @@ class Dockerd(_Daemon):
         #: short /tmp/chkXXXX dir: exec-root, pidfile, API socket; made by start()
         self.short: Path | None = None
         self.containerd = Containerd(self.dir / "containerd", path_prefix=path_prefix,
-                                     gc=gc)
+                                     gc=gc, binaries=binaries)
         self.env = {**self.containerd.env, "DOCKER_CONFIG": str(self.client_config)}
         self.env.pop("TMPDIR", None)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -766,7 +843,7 @@ class Dockerd(_Daemon):
             d.mkdir(parents=True, exist_ok=True)
         self.write_config()
         self._logfh = self.log.open("ab")
-        self.proc = _launch([DOCKERD, "--config-file", str(self.config)], self.env, self._logfh)
+        self.proc = _launch([self.bins.dockerd, "--config-file", str(self.config)], self.env, self._logfh)
 
         def ready() -> bool:
             res = self.docker("version", "--format", "{{.Server.Version}}", check=False, timeout=10)
@@ -795,7 +872,7 @@ class Dockerd(_Daemon):
 
     def _docker(self, args: Sequence[str], check: bool, timeout: float
                 ) -> subprocess.CompletedProcess[str]:
-        cmd = [DOCKER, "-H", self.host, *args]
+        cmd = [self.bins.docker, "-H", self.host, *args]
         try:
             res = subprocess.run(
                 cmd, env=self.env, stdin=subprocess.DEVNULL, capture_output=True, text=True,

@@ -13,7 +13,7 @@ import pytest
 
 from cudahook.admin.configure import configure
 from cudahook.admin.journal import Journal
-from cudahook.platform import criuconf
+from cudahook.platform import criuconf, paths
 from cudahook.platform.store import Store, container_key
 from cudahook.sim.runcbox import RuncBox
 
@@ -55,8 +55,10 @@ def dump_log(image: Path) -> str:
 def test_two_runc_roots_one_name(node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     env, (box_a, box_b) = node
     script = str(env.hooks / "cudahook-criu-action")
-    own = tmp_path / "b-criu.conf"
-    own.write_text("ghost-limit 2M\n")  # b's own CRIU option, in its copy only
+    # b names its own CRIU configuration, one of the operator's (in /etc/criu):
+    # its option is in its copy only.
+    own = paths.at("/etc/criu/b.conf")
+    own.write_text("ghost-limit 2M\n")
     tags = {"a": ["a.w"], "b": ["b.w"]}
     bundles = {}
     for n, box, notes in (("a", box_a, {}), ("b", box_b, {criuconf.ANNOTATION: str(own)})):

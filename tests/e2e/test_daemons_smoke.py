@@ -1,10 +1,12 @@
 """End-to-end smoke tests: CRIU checkpoint/restore through a private containerd
-1.6 (``ctr``) and a private dockerd 20.10 (experimental), each with a ``runc``
-wrapper in front of the real runc (see :mod:`tests.e2e.daemons`).
+(``ctr``) and a private dockerd (experimental), each with a ``runc`` wrapper in
+front of the real runc (see :mod:`tests.e2e.daemons`), for each version the
+suite drives: Debian 12's containerd 1.6 and docker 20.10, and the containerd
+1.7 and docker 26 unpacked beside them.
 
-Skipped unless root with containerd, ctr, dockerd, docker.io's docker client,
-runc (``scripts/provision-runtimes.sh``) and a CRIU >= 4.0
-(``scripts/provision-criu.sh``).
+A version is skipped unless its containerd, ctr, dockerd and docker client
+are there (``scripts/provision-runtimes.sh``); all of them unless root with
+runc and a CRIU >= 4.0 (``scripts/provision-criu.sh``).
 
 The workload is busybox ``sh`` incrementing a counter every 50 ms and writing
 it atomically to ``/data/counter`` (a bind-mounted host dir). The image is a
@@ -24,28 +26,22 @@ import pytest
 
 from cudahook.sim.bundle import find_criu
 from tests.e2e.daemons import (
-    CONTAINERD,
-    CTR,
-    DOCKER,
-    DOCKERD,
-    RUNC,
-    SHIM,
+    PACKAGED,
+    Binaries,
     Containerd,
     Dockerd,
     image_tar,
+    private_binaries,
     runc_wrapper,
 )
 from tests.e2e.outcomes import process_tree, still_alive
 
 CRIU = find_criu()
-_MISSING = [b for b in (CONTAINERD, CTR, SHIM, DOCKERD, DOCKER, RUNC) if not os.access(b, os.X_OK)]
+VERSIONS = [PACKAGED, private_binaries("1.7", "26")]
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
-    pytest.mark.skipif(
-        bool(_MISSING), reason=f"missing {', '.join(_MISSING)} (scripts/provision-runtimes.sh)"
-    ),
     pytest.mark.skipif(CRIU is None, reason="criu >= 4.0 not found (scripts/provision-criu.sh)"),
     pytest.mark.skipif(
         shutil.which("busybox") is None and not os.path.exists("/bin/busybox"),
@@ -129,15 +125,24 @@ def wrapper(tmp_path: Path) -> tuple[Path, Path]:
     return runc_wrapper(tmp_path / "wrap" / "runc", log), log
 
 
+@pytest.fixture(params=VERSIONS, ids=lambda b: b.name.replace(", ", "+").replace(" ", "-"))
+def binaries(request: pytest.FixtureRequest) -> Binaries:
+    missing = request.param.missing()
+    if missing:
+        pytest.skip(f"missing {', '.join(missing)} (scripts/provision-runtimes.sh)")
+    return request.param
+
+
 @pytest.fixture
-def containerd(tmp_path: Path, wrapper: tuple[Path, Path]) -> Iterator[Containerd]:
-    with Containerd(tmp_path / "containerd", path_prefix=wrapper[0].parent) as c:
+def containerd(tmp_path: Path, wrapper: tuple[Path, Path], binaries: Binaries) -> Iterator[Containerd]:
+    with Containerd(tmp_path / "containerd", path_prefix=wrapper[0].parent, binaries=binaries) as c:
         yield c
 
 
 @pytest.fixture
-def dockerd(tmp_path: Path, wrapper: tuple[Path, Path]) -> Iterator[Dockerd]:
-    with Dockerd(tmp_path / "dockerd", runtimes={"cudahook-runc": wrapper[0]}) as d:
+def dockerd(tmp_path: Path, wrapper: tuple[Path, Path], binaries: Binaries) -> Iterator[Dockerd]:
+    with Dockerd(tmp_path / "dockerd", runtimes={"cudahook-runc": wrapper[0]},
+                 binaries=binaries) as d:
         yield d
 
 
@@ -146,6 +151,7 @@ def test_containerd_checkpoint_restore_via_path_wrapper(
 ) -> None:
     c = containerd
     _, wlog = wrapper
+    assert c.server_version().startswith(c.bins.containerd_version + "."), c.server_version()
     name = c.import_image(image)
     assert name == "docker.io/cudahook/busybox:test"
     pid = c.run(name, "counter", "sh", "-c", COUNTER, mounts=[(str(data_dir), "/data", False)])
@@ -197,6 +203,9 @@ def test_docker_checkpoint_restore_via_runtime(
 ) -> None:
     d = dockerd
     _, wlog = wrapper
+    server = d.docker("version", "--format", "{{.Server.Version}}").stdout.strip()
+    assert server.startswith(d.bins.docker_version + "."), server
+    assert d.containerd.server_version().startswith(d.bins.containerd_version + ".")
     name = d.load_image(image)
     assert name == "cudahook/busybox:test"
     assert d.docker("info", "--format", "{{.ExperimentalBuild}}").stdout.strip() == "true"

@@ -3,7 +3,7 @@ dockerd deleted stays until containerd's next garbage collection, and a
 second checkpoint of the same container (or a second start from the same
 checkpoint) meanwhile fails "content sha256:...: already exists" - after
 CRIU has dumped, for a checkpoint. A loaded machine delays the collection;
-here containerd is told to (its collector pauses about 2000 times as long
+here containerd is told to (its collector pauses about 5000 times as long
 as a collection took), so the window is open every time, and the helpers
 of tests/e2e/daemons.py must wait it out.
 """
@@ -22,12 +22,15 @@ from .test_daemons_smoke import COUNTER, counter, moves, pytestmark, wait_for  #
 def test_docker_checkpoints_wait_for_the_content_store(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
-    with Dockerd(tmp_path / "dockerd", gc={"pause_threshold": 0.0005}) as d:
+    with Dockerd(tmp_path / "dockerd", gc={"pause_threshold": 0.0002}) as d:
         name = d.load_image(image_tar(tmp_path / "busybox.tar"))
         cid = d.docker("run", "-d", "--name", "counter", "-v", f"{data}:/data", name,
                        "sh", "-c", COUNTER).stdout.strip()
         wait_for(lambda: counter(data) >= 5, what="counter >= 5")
-        assert d.settle_content()  # nothing of an earlier command to collect at a random moment
+        # A first checkpoint, waited out: a collection has just run, and the
+        # collector now pauses, so what the next ones delete stays a while.
+        d.docker("checkpoint", "create", "--leave-running", cid, "cp0", timeout=120)
+        assert d.settle_content()
         d.docker("checkpoint", "create", "--leave-running", cid, "cp1", timeout=120)
         # The first checkpoint's blobs (its runtime spec among them) are
         # still in the store: the second one meets them unless it waits.

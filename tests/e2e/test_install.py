@@ -232,7 +232,7 @@ def test_installed_wrapper_and_hooks_round_trip_and_demo(machine, tmp_path) -> N
         for t in tags:
             st = lab.wait_counter(t, frozen[t] + 11)
             assert st["intact"] and not st["errors"]
-        r = sh("/usr/local/bin/cudahook", "status", "--no-live")
+        r = sh("/usr/local/bin/cudahook", "status", "c1", "--no-live")
         assert "c1" in r.stdout and "last checkpoint" in r.stdout
     finally:
         if box is not None:
