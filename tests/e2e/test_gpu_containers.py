@@ -319,15 +319,15 @@ def test_status_on_a_paused_container_answers_at_once(make_env) -> None:  # type
     try:
         t = time.monotonic()
         r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(env.config),
-                            "status"], capture_output=True, text=True, timeout=60)
+                            "status", cid], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert time.monotonic() - t < 8
         assert "container paused: processes not probed" in r.stdout, r.stdout
     finally:
         assert env.box.resume(cid).returncode == 0
     env.wait_running(tags, env.counters(tags))
-    r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(env.config), "status"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(env.config), "status",
+                        cid], capture_output=True, text=True, timeout=60)
     assert "running" in r.stdout and "nspid" in r.stdout, r.stdout
 
 
