@@ -215,3 +215,32 @@ def test_features_and_doctor_say_which_backend_runs_and_why(make_node, tmp_path,
     r = cli("--json", "doctor", "--root", str(root), config=cfg)
     backend = {c["name"]: c for c in json.loads(r.stdout)}["backend"]
     assert backend["status"] == "ok" and backend["detail"].startswith(name) and why in backend["detail"]
+
+
+# A helper that answers cuInit, then writes `reply` for the first request:
+# the backend must take nothing but its own reply objects from it.
+ODD_HELPER = """
+import sys
+sys.stdout.write('{"ready": true, "cuda_version": 13000}\\n'); sys.stdout.flush()
+sys.stdin.readline()
+sys.stdout.write(%r + "\\n"); sys.stdout.flush()
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("reply", ["42", '"text"', "[1]", "null", "not json", '{"id": 99}'])
+def test_an_unexpected_helper_line_fails_the_pending_call_at_once(  # type: ignore[no-untyped-def]
+        node, tmp_path, monkeypatch, reply: str) -> None:
+    from cudahook.core.backends import driver_api
+
+    script = tmp_path / "odd_helper.py"
+    script.write_text(ODD_HELPER % reply)
+    monkeypatch.setattr(driver_api, "HELPER", str(script))
+    backend = api(node, call_timeout_s=30.0)
+    t = time.monotonic()
+    with pytest.raises(ToolError) as err:
+        backend.get_state(os.getpid())
+    # Failed by the line itself, not by the call's 30 s deadline.
+    assert time.monotonic() - t < 5
+    assert "unexpected line" in str(err.value) and not err.value.timed_out, err.value
+    backend.close()

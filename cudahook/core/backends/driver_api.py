@@ -122,22 +122,45 @@ class _Helper:
             self.kill("driver initialisation failed")
 
     def _read(self) -> None:
+        """Hand each reply to its caller. Any line that is not a reply this
+        helper writes (not JSON, not an object, no known id) means its
+        output can no longer be trusted: the helper is killed at once and
+        every pending call fails with the reason, instead of waiting out
+        its deadline. Whatever happens here, the callers are woken."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if "ready" in msg:
-                self.hello = msg
-                self.ready.set()
-                continue
-            with self.lock:
-                entry = self.waiting.pop(msg.get("id"), None)
-            if entry:
-                entry[1].append(msg)
-                entry[0].set()
-        self._fail_all("the driver helper exited")
+        why = "the driver helper exited"
+        try:
+            for line in self.proc.stdout:
+                problem = self._take(line)
+                if problem:
+                    why = f"the driver helper wrote an unexpected line ({problem}): " \
+                          f"{line[:80]!r}"
+                    break
+        except Exception as exc:  # a reader that dies silently would strand every call
+            why = f"reading the driver helper failed: {type(exc).__name__}: {exc}"
+        if why != "the driver helper exited":
+            self.kill(why)
+        self._fail_all(why)
+
+    def _take(self, line: bytes) -> str | None:
+        """Deliver one line; what is wrong with it, if anything."""
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return "not JSON"
+        if not isinstance(msg, dict):
+            return f"JSON {type(msg).__name__}, not an object"
+        if "ready" in msg:
+            self.hello = msg
+            self.ready.set()
+            return None
+        with self.lock:
+            entry = self.waiting.pop(msg.get("id"), None)  # type: ignore[arg-type]
+        if entry is None:
+            return "a reply to no pending call"
+        entry[1].append(msg)
+        entry[0].set()
+        return None
 
     def _fail_all(self, why: str) -> None:
         with self.lock:
