@@ -78,6 +78,10 @@ def run(ctx: Context, call: CriuCall) -> int:
         return Exit.OK
     try:
         criu_run = CriuRun(ctx.store, ctx.host, call.criu_pid)
+        earlier = criu_run.outcome(call.action)
+        killed = earlier is None and criu_run.started(call.action)
+        if earlier is None and not killed:
+            criu_run.own_calls(call.action, ctx.host)  # before any call: platform/tools.py
     except Exception as exc:
         if call.action != "post-resume":
             raise
@@ -91,7 +95,21 @@ def run(ctx: Context, call: CriuCall) -> int:
         except CudahookError:
             init_pid = None
         return _fail_closed(ctx, init_pid, None, None, exc)
-    earlier = criu_run.outcome(call.action)
+    if killed:
+        # Hazard: CRIU 3.19-4.1.1 run the second call even when the first was
+        # killed mid-way, with no outcome recorded. Acting again would race
+        # whatever the first call left in progress. Undo: none - this call
+        # touches nothing; the operation fails, and the guardian (dump) or
+        # the restore watcher (restore) deals with what the first call left.
+        what = "dump" if call.action == "pre-dump" else "restore"
+        error = (f"{call.action}: an earlier call in this CRIU run stopped without finishing "
+                 f"(killed?): this {what} fails, and its "
+                 f"{'guardian' if what == 'dump' else 'restore watcher'} deals with what "
+                 "that call left; nothing was touched by this call")
+        ctx.log(call.action, error=error, init_pid=call.init_pid)
+        criu_run.finish(call.action, Exit.FAILED)
+        print(f"cudahook: {error}", file=sys.stderr)
+        return Exit.FAILED
     if earlier is not None:
         if earlier:  # its failure was told at the first call; say so again, in one line
             print(f"cudahook: {call.action}: failed earlier in this CRIU run (exit {earlier}); "
@@ -432,7 +450,19 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     #    remembered, and the next attempt refused at once.
     from . import checks
 
-    record, ctx, opts = container_for(ctx, _need_init(ctx, call))
+    init_pid = _need_init(ctx, call)
+    # Hazard: this script or post-resume's killed (a runtime's timeout, the
+    # OOM killer) - with CRIU itself, when a runtime kills the whole process
+    # group - leaves the restored tasks running checkpointed, or never
+    # resumed by CRIU: CRIU only logs a post-resume failure, and reports the
+    # restore done. Undo: the restore watcher, armed before anything else,
+    # kills the container once CRIU and these scripts are gone, unless
+    # post-resume recorded a restore that succeeded.
+    try:
+        guardian.watch(ctx, call.criu_pid, data.get("container_id"), init_pid, criu_run.path)
+    except Exception as exc:
+        raise EnvironmentProblem(f"post-restore: cannot arm the restore watcher: {exc}") from exc
+    record, ctx, opts = container_for(ctx, init_pid)
     verdict = checks.restore_checks(ctx, call.image_dir, record, opts)
     cid = (record or {}).get("id") or data.get("container_id")
     kept = checks.write_verdict(ctx, call.image_dir, verdict)

@@ -7,6 +7,10 @@ cuInit once and serves every call of the phase, in parallel. A call that
 outlives its deadline gets the helper's process group killed, so a hung
 driver call fails that call (timed out, as the CLI backend's do) instead
 of hanging the hook; the next call starts a fresh helper for the rollback.
+The helper is started like every tool (platform/tools.py `spawn`): it dies
+with the hook (parent-death signal, forked by a thread that lasts as long
+as the hook, not by the engine worker that made the first call of the
+phase), and it carries the phase's name for the guardian's sweep.
 
 Errors carry the PID, the action and the CUresult, with the driver's own
 name and message (cuGetErrorName, cuGetErrorString), worded as
@@ -26,6 +30,7 @@ import threading
 from cudahook.platform.config import Settings
 from cudahook.platform.errors import EnvironmentProblem, ToolError
 from cudahook.platform.host import Host
+from cudahook.platform.tools import spawn
 
 from . import CHECKPOINTED, RUNNING, STATES, Features
 from .cli import driver_version
@@ -103,10 +108,11 @@ class _Helper:
     """One helper process: one driver attach, calls multiplexed by id."""
 
     def __init__(self, python: str, library: str, timeout: float):
-        self.proc = subprocess.Popen(
+        # Bound to the hook and named as its call (platform/tools.py): a
+        # helper never outlives the hook that started it.
+        self.proc = spawn(
             [python, "-I", "-S", HELPER, library], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-            close_fds=True,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
         )
         self.lock = threading.Lock()
         self.waiting: dict[int, tuple[threading.Event, list[dict]]] = {}
