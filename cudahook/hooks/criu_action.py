@@ -442,7 +442,24 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     data = manifest.read(call.image_dir)
     if data is None:
         return Exit.OK
-    # 2. The restore checks of `cudahook check --image` (hooks/checks.py): the
+    # 2. Hazard: this script or post-resume's killed (a runtime's timeout, the
+    #    OOM killer) - with CRIU itself, when a runtime kills the whole
+    #    process group - leaves the restored tasks running checkpointed, or
+    #    never resumed by CRIU: CRIU only logs a post-resume failure, and
+    #    reports the restore done. Undo: the restore watcher, armed before
+    #    anything else, kills the container once CRIU and these scripts are
+    #    gone, unless post-resume recorded a restore that succeeded. Left
+    #    open: a kill of the whole group (CRIU with it) before this point -
+    #    while the interpreter starts - leaves the never-resumed tasks to the
+    #    runtime, which deletes a container whose runc failed.
+    init_pid = _need_init(ctx, call)
+    try:
+        watcher = guardian.watch(ctx, call.criu_pid, data.get("container_id"), init_pid,
+                                 criu_run.path)
+        criu_run.note("watcher", [watcher, _start_time(ctx, watcher)])
+    except Exception as exc:
+        raise EnvironmentProblem(f"post-restore: cannot arm the restore watcher: {exc}") from exc
+    # 3. The restore checks of `cudahook check --image` (hooks/checks.py): the
     #    image intact, CRIU's own CUDA plugin absent (it would restore these
     #    processes without a device map), the same driver branch, the GPUs
     #    present, a device map this driver can apply, the VMM coordinator.
@@ -450,18 +467,6 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     #    remembered, and the next attempt refused at once.
     from . import checks
 
-    init_pid = _need_init(ctx, call)
-    # Hazard: this script or post-resume's killed (a runtime's timeout, the
-    # OOM killer) - with CRIU itself, when a runtime kills the whole process
-    # group - leaves the restored tasks running checkpointed, or never
-    # resumed by CRIU: CRIU only logs a post-resume failure, and reports the
-    # restore done. Undo: the restore watcher, armed before anything else,
-    # kills the container once CRIU and these scripts are gone, unless
-    # post-resume recorded a restore that succeeded.
-    try:
-        guardian.watch(ctx, call.criu_pid, data.get("container_id"), init_pid, criu_run.path)
-    except Exception as exc:
-        raise EnvironmentProblem(f"post-restore: cannot arm the restore watcher: {exc}") from exc
     record, ctx, opts = container_for(ctx, init_pid)
     verdict = checks.restore_checks(ctx, call.image_dir, record, opts)
     cid = (record or {}).get("id") or data.get("container_id")
@@ -476,7 +481,7 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         raise checks.Refused(verdict, "post-restore")
     mapping = verdict.facts.get("device_map")
     criu_run["device_map"] = mapping
-    # 3. Hazard: by post-resume CRIU has closed the image directory
+    # 4. Hazard: by post-resume CRIU has closed the image directory
     #    (CRTOOLS_IMAGE_DIR names a dead /proc/<criu>/fd/N): keep what the
     #    restore needs from it now - the manifest, and where the VMM state is.
     #    Hazard: an image directory reused from an older checkpoint can hold
@@ -491,7 +496,7 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         vmm_dir = vmm.locate_state(call.image_dir, criu_run.path.with_suffix(".vmm"))
     criu_run["vmm_dir"] = vmm_dir
     criu_run["manifest"] = data
-    # 4. The mark that lets the shell start Python at post-resume. Without it
+    # 5. The mark that lets the shell start Python at post-resume. Without it
     #    post-resume would be skipped and the workload left checkpointed: fail
     #    the restore now instead, while that is still clean.
     prune_restore_marks()  # left by restores whose post-resume never ran

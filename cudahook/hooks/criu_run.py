@@ -73,6 +73,11 @@ class CriuRun:
         hooks[action] = [os.getpid(), host.start_time(os.getpid())]
         write_json_atomic(self.path, self.progress)
 
+    def note(self, name: str, value: Any) -> None:
+        """Record `name` in the progress at once (the script may die next)."""
+        self.progress[name] = value
+        write_json_atomic(self.path, self.progress)
+
     def finish(self, action: str, rc: int) -> None:
         self.progress["done"][action] = int(rc)
         write_json_atomic(self.path, self.progress)

@@ -444,16 +444,15 @@ def _unsafe(ctx: Any, cid: str | None, pids: list[int], how: str, keep: dict[str
 # -- the restore side ---------------------------------------------------------------
 
 
-def watch(ctx: Any, criu_pid: int, cid: str | None, init_pid: int | None,
-          run_path: Path) -> None:
+def watch(ctx: Any, criu_pid: int, cid: str | None, init_pid: int,
+          run_path: Path) -> int:
     """Arm the restore watcher for this CRIU restore (at post-restore: the
-    tasks exist, and have not run)."""
-    if init_pid is None:
-        return
-    _detached("watch_restore", {
+    tasks exist, and have not run); its PID."""
+    child = _detached("watch_restore", {
         "criu_pid": criu_pid, "criu_start": ctx.host.start_time(criu_pid),
         "init": [init_pid, ctx.host.start_time(init_pid)], "container": cid,
         "settings": ctx.settings.as_dict(), "run": str(run_path)})
+    return int(child.pid)
 
 
 def watch_restore(arg: str) -> int:

@@ -28,12 +28,13 @@ retry restores it afresh, after the workloads' old status files are gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ import yaml
 from cudahook.core import manifest
 from cudahook.platform.host import Host
 from cudahook.platform.tools import CALLS_ENV
+from cudahook.sim import wire
 
 from .conftest import Env, needs_runc
 from .outcomes import (
@@ -89,14 +91,21 @@ class Case:
     step: str
     backend: str  # "cli" (cuda-checkpoint) or "driver-api" (the helper)
     kill: str  # "script": the action script's PID; "group": its process group
+    workload: str = "plain"  # or "vmm": the CUDA VMM interposer in every process
 
     @property
     def id(self) -> str:
-        return f"{self.phase}-{self.step}-{self.backend}-{self.kill}"
+        vmm = "-vmm" if self.workload == "vmm" else ""
+        return f"{self.phase}-{self.step}{vmm}-{self.backend}-{self.kill}"
 
 
-CASES = [Case(phase, step, backend, kill) for (phase, step) in STEPS
-         for backend in ("cli", "driver-api") for kill in ("script", "group")]
+BOTH = [(backend, kill) for backend in ("cli", "driver-api") for kill in ("script", "group")]
+CASES = [
+    *[Case(phase, step, backend, kill) for (phase, step) in STEPS for backend, kill in BOTH],
+    # With the VMM interposer: the guardian also replays the mappings the
+    # checkpoint dropped from the processes it brings back.
+    *[Case("pre-dump", "checkpoint", backend, kill, "vmm") for backend, kill in BOTH],
+]
 assert len({c.id for c in CASES}) == len(CASES)
 
 
@@ -162,24 +171,38 @@ def _in_flight(env: Env, call: str) -> bool:
     return bool(rules) and all(r.get("times", 1) <= 0 for r in rules)
 
 
-def _kill_hook(env: Env, case: Case, worker: threading.Thread, done: dict[str, Any]) -> int:
-    """Once the slow call is in flight, SIGKILL the hook (or its group)."""
+def _sim_state(host_pid: int) -> str:
+    """A process's CUDA state straight from its restore thread: no driver
+    call, so no injected fault is consumed."""
+    nspid = Host().nspid(host_pid)
+    sock = f"/proc/{host_pid}/root/dev/shm/cuda-sim-{nspid}.sock"
+    reply = wire.request(sock, (wire.dumps({"op": "get-state"}) + "\n").encode(), timeout=10)
+    return str(wire.loads(reply.decode())["state"])
+
+
+def _kill_hook(env: Env, case: Case, worker: threading.Thread, done: dict[str, Any],
+               others: Sequence[int] = ()) -> int:
+    """Once the slow call is in flight (and `others` are checkpointed),
+    SIGKILL the hook (or its group)."""
     call, _ = STEPS[(case.phase, case.step)]
     deadline = time.monotonic() + 60
-    while not _in_flight(env, call):
+    while not _in_flight(env, call) or any(_sim_state(p) != "checkpointed" for p in others):
         assert worker.is_alive(), done
         assert time.monotonic() < deadline, "the slow call was never reached"
         time.sleep(0.02)
+    # One action script runs the phase; CRIU may have started its duplicate
+    # call by now: both are killed.
     hooks = _hooks(env, case.phase)
-    assert len(hooks) == 1, [(p, _read(p, "stat")[:60], _read(p, "cmdline")[:200]) for p in hooks]
-    hook = hooks[0]
-    if case.kill == "group":
-        pgid = os.getpgid(hook)
-        assert pgid != os.getpgid(0)  # runc runs in a session of its own here
-        os.killpg(pgid, signal.SIGKILL)
-    else:
-        os.kill(hook, signal.SIGKILL)
-    return hook
+    assert hooks, "no action script running"
+    for hook in hooks:
+        with contextlib.suppress(ProcessLookupError):
+            if case.kill == "group":
+                pgid = os.getpgid(hook)
+                assert pgid != os.getpgid(0)  # runc runs in a session of its own here
+                os.killpg(pgid, signal.SIGKILL)
+            else:
+                os.kill(hook, signal.SIGKILL)
+    return hooks[0]
 
 
 def assert_calls_end(env: Env) -> None:
@@ -205,7 +228,7 @@ class Node:
     def __init__(self, env: Env, tmp: Path):
         self.env = env
         self.tmp = tmp
-        self.live: Box | None = None
+        self.live: dict[str, Box] = {}
         self.saved: Box | None = None
         self.spoiled: list[str] = []  # containers of failed cases: deleted before the next
         self.count = 0
@@ -218,9 +241,16 @@ class Node:
         cfg.update(DEADLINES, backend=backend)
         self.env.config.write_text(yaml.safe_dump(cfg))
 
-    def start(self) -> Box:
+    def start(self, workload: str = "plain") -> Box:
         self.count += 1
-        bundle = self.env.box.bundle(f"k{self.count}", WORKLOADS, others=["sleep 100000"])
+        extra: dict[str, Any] = {}
+        workloads = WORKLOADS
+        if workload == "vmm":
+            extra["snapshot_control"] = self.tmp / f"control-{self.count}"
+            extra["snapshot_control"].mkdir()
+            workloads = [(name, {**opts, "vmm": True}) for name, opts in WORKLOADS]
+        bundle = self.env.box.bundle(f"k{self.count}", workloads, others=["sleep 100000"],
+                                     **extra)
         for t in TAGS:  # a tag is reused by a recreated container: fresh reports only
             (self.env.lab.status_dir / f"{t}.json").unlink(missing_ok=True)
         cid = self.env.cid()
@@ -235,17 +265,19 @@ class Node:
         while self.spoiled:
             self.env.box.delete(self.spoiled.pop())
 
-    def live_box(self) -> Box:
+    def live_box(self, workload: str) -> Box:
         self.clean()
-        if self.live is None:
-            self.live = self.start()
-        return self.live
+        for other in [w for w in self.live if w != workload]:  # same tags: one at a time
+            self.env.box.delete(self.live.pop(other).cid)
+        if workload not in self.live:
+            self.live[workload] = self.start(workload)
+        return self.live[workload]
 
     def image_box(self) -> Box:
         if self.saved is None:
-            if self.live is not None:  # its workloads report under the same tags
-                self.env.box.delete(self.live.cid)
-                self.live = None
+            for box in self.live.values():  # their workloads report under the same tags
+                self.env.box.delete(box.cid)
+            self.live.clear()
             box = self.start()
             box.image = self.tmp / "image"
             r = self.env.box.checkpoint(box.cid, box.image)
@@ -288,16 +320,20 @@ def test_kill(node: Node, case: Case, tmp_path: Path) -> None:
 
 def _killed_checkpoint(node: Node, case: Case, tmp_path: Path) -> None:
     env = node.env
-    box = node.live_box()
-    node.live = None  # until this case proves it healthy again
+    box = node.live_box(case.workload)
+    del node.live[case.workload]  # until this case proves it healthy again
     node.spoiled.append(box.cid)
+    vmm_calls = len(env.lab.vmm_calls())
     _slow(env, case)
     done: dict[str, Any] = {}
     image = tmp_path / "img"
     dump = threading.Thread(target=lambda: done.update(r=env.box.checkpoint(box.cid, image)))
     dump.start()
+    # With VMM, the others are caught checkpointed (their mappings dropped):
+    # the replay below must then reach exactly them.
+    others = [box.pids[t] for t in TAGS if t != VICTIM] if case.workload == "vmm" else []
     try:
-        _kill_hook(env, case, dump, done)
+        _kill_hook(env, case, dump, done, others)
         assert_calls_end(env)
     finally:
         env.lab.clear_faults()
@@ -314,7 +350,15 @@ def _killed_checkpoint(node: Node, case: Case, tmp_path: Path) -> None:
     assert [e for e in env.events("checkpoint") if "error" not in e] == []
     guardians = [e for e in env.events("guardian") if "error" in e or "unsafe" in e]
     assert guardians == [], guardians
-    node.live = box
+    if case.workload == "vmm":
+        # The prepare ran before the first lock; the guardian replayed its
+        # state into the processes it brought back from checkpointed (the
+        # victim was only locked: its mappings never left).
+        calls = env.lab.vmm_calls()[vmm_calls:]
+        assert [c["op"] for c in calls] == ["prepare", "restore"], calls
+        assert sorted(p for p, _ in calls[1]["processes"]) == sorted(
+            box.pids[t] for t in TAGS if t != VICTIM)
+    node.live[case.workload] = box
     node.spoiled.remove(box.cid)
     # Each case reads its own events: the log starts afresh.
     env.log_file.unlink(missing_ok=True)
