@@ -348,7 +348,7 @@ class Engine:
                 final[pid] = self.read_state(pid)
             if final[pid] != RUNNING:
                 raise ToolError(pid, "verify", 0,
-                                f"still {explain_state(final[pid])} after rollback")
+                                f"{explain_state(final[pid])} after the rollback, not running")
 
         failures = self._each(pids, back, parallel=True)
         for pid, exc in failures.items():
