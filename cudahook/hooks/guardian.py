@@ -485,10 +485,15 @@ def watch_restore(arg: str) -> int:
         hook = hooks.get(action) if isinstance(hooks, dict) else None
         if isinstance(hook, list) and len(hook) == 2 and all(type(x) is int for x in hook):
             wait_exit(hook[0], hook[1], ctx.host)
-    done = (progress().get("done") or {}).get("post-resume")
+    finished = progress().get("done") or {}
+    done = finished.get("post-resume")
     if done == 0:
         return int(Exit.OK)  # restored, every process verified running
     stuck = _end_calls(ctx, args, cid)
+    refused = finished.get("post-restore")
+    if done is None and refused:
+        # post-restore refused, cleanly: CRIU kills the tasks it restored.
+        return int(Exit.UNSAFE if stuck else Exit.OK)
     init_pid, init_start = args["init"]
     killed = kill_container(ctx, init_pid) if ctx.host.alive(init_pid, init_start) else 0
     if done is not None and not killed and not stuck:
