@@ -6,6 +6,12 @@ call would undo itself, so each action's outcome is kept per CRIU run -
 keyed by CRIU's PID and its start time, so a reused PID is another run - and
 the second call returns it unchanged. post-restore also leaves here what
 post-resume needs: CRIU has closed the image directory by then.
+
+Before its first driver call, each action records here the name its calls
+carry (`calls`, platform/tools.py) and its own PID and start time (`hooks`):
+a call whose first run was killed mid-way is told by a `hooks` entry without
+an outcome, and the guardian and the restore watcher (`watcher`, recorded as
+soon as it is armed) wait for those scripts, then end those calls.
 """
 
 from __future__ import annotations
