@@ -139,7 +139,11 @@ def calls_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def spawn(argv: list[str], **popen: Any) -> subprocess.Popen[Any]:
     """subprocess.Popen in a session of its own, bound to this process
-    (PR_SET_PDEATHSIG): forked by the one lasting thread."""
+    (PR_SET_PDEATHSIG): forked by the one lasting thread. An environment
+    given explicitly still carries the calls' name."""
+    env = popen.get("env")
+    if env is not None and CALLS_ENV in os.environ:
+        popen["env"] = {**env, CALLS_ENV: os.environ[CALLS_ENV]}
     return _Spawner.get().popen(argv, popen)
 
 
