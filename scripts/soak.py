@@ -118,6 +118,7 @@ class Soak:
         self.stats: dict[str, Any] = {
             "operations": 0, "checkpoints_ok": 0, "checkpoints_failed": 0,
             "restores_ok": 0, "restores_failed": 0, "retries": 0, "left_to_runtime": 0,
+            "restored_then_runc_killed": 0,
             "kills": 0,
             "kills_by_phase": {}, "lost": [], "orphans": [], "state": [],
         }
@@ -366,6 +367,14 @@ class Soak:
                 self.lose(box, f"restored but not healthy: {why}")
                 return
         self.stats["restores_failed"] += 1
+        if container_pids(box.cid) and self.healthy(box, box.frozen) is None:
+            # runc, killed with its group after post-resume had restored and
+            # verified the workload, failed - the workload runs on its GPU,
+            # intact: restored. runc's own record of it is not to be trusted
+            # any more, so the runtime removes it, and the soak restores it
+            # again from the (unchanged) image.
+            self.stats["restored_then_runc_killed"] += 1
+            self.box.delete(box.cid)
         if not self.gone(box):
             if not self.unwatched_since(began):
                 self.lose(box, "a failed restore left the container alive")
@@ -509,7 +518,7 @@ def summarise(stats: dict[str, Any], seed: int, elapsed: float) -> dict[str, Any
         "seed": seed, "minutes": round(elapsed / 60, 1),
         **{k: stats[k] for k in ("operations", "checkpoints_ok", "checkpoints_failed",
                                  "restores_ok", "restores_failed", "retries",
-                                 "left_to_runtime", "kills",
+                                 "left_to_runtime", "restored_then_runc_killed", "kills",
                                  "kills_by_phase")},
         "lost": len(stats["lost"]), "lost_detail": stats["lost"][:20],
         "orphaned_calls": len(stats["orphans"]), "orphan_detail": stats["orphans"][:20],
