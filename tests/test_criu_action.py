@@ -256,6 +256,10 @@ def test_post_restore_refuses_another_driver_branch(node: Node, tmp_path: Path) 
     parent = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                     CRTOOLS_IMAGE_DIR=str(image))
     assert parent.returncode == 0, parent.stderr
+    # Its "CRIU" exited with no post-resume: the restore watcher kills the container.
+    assert init.wait(10) == -9
+    init = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    node.procs.append(init)  # type: ignore[arg-type]
     # A manifest without a driver version, or a node whose driver cannot be
     # told, is refused rather than waved through.
     manifest.write(image, {"container_id": "c", "driver_version": "",

@@ -215,3 +215,113 @@ def test_features_and_doctor_say_which_backend_runs_and_why(make_node, tmp_path,
     r = cli("--json", "doctor", "--root", str(root), config=cfg)
     backend = {c["name"]: c for c in json.loads(r.stdout)}["backend"]
     assert backend["status"] == "ok" and backend["detail"].startswith(name) and why in backend["detail"]
+
+
+# A helper that answers cuInit, then writes `reply` for the first request:
+# the backend must take nothing but its own reply objects from it.
+ODD_HELPER = """
+import sys
+sys.stdout.write('{"ready": true, "cuda_version": 13000}\\n'); sys.stdout.flush()
+sys.stdin.readline()
+sys.stdout.write(%r + "\\n"); sys.stdout.flush()
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("reply", ["42", '"text"', "[1]", "null", "not json", '{"id": 99}'])
+def test_an_unexpected_helper_line_fails_the_pending_call_at_once(  # type: ignore[no-untyped-def]
+        node, tmp_path, monkeypatch, reply: str) -> None:
+    from cudahook.core.backends import driver_api
+
+    script = tmp_path / "odd_helper.py"
+    script.write_text(ODD_HELPER % reply)
+    monkeypatch.setattr(driver_api, "HELPER", str(script))
+    backend = api(node, call_timeout_s=30.0)
+    t = time.monotonic()
+    with pytest.raises(ToolError) as err:
+        backend.get_state(os.getpid())
+    # Failed by the line itself, not by the call's 30 s deadline.
+    assert time.monotonic() - t < 5
+    assert "unexpected line" in str(err.value) and not err.value.timed_out, err.value
+    backend.close()
+
+
+# A stand-in hook: it makes its first driver call from a worker thread that
+# then ends (as the engine's do), a second one from the main thread, then
+# starts a call that the simulator keeps in flight, and prints the helper's
+# PID and its own before it blocks.
+BOUND_HOOK = """
+import json, sys, threading
+from cudahook.core.backends import make_backend
+from cudahook.platform.config import Settings
+from cudahook.platform.host import Host
+backend = make_backend(Settings(**json.loads(sys.argv[1])), Host())
+pid = int(sys.argv[2])
+t = threading.Thread(target=backend.get_state, args=(pid,))
+t.start(); t.join()
+assert backend.get_state(pid) == "running"
+helper = getattr(getattr(backend, "_helper", None), "proc", None)
+print(json.dumps({"attaches": getattr(backend, "attaches", None),
+                  "helper": helper.pid if helper else None}), flush=True)
+backend.lock(pid, 0)
+"""
+
+
+@pytest.mark.parametrize("kind", ["driver-api", "cli"])
+def test_a_call_dies_with_its_hook_not_with_the_thread_that_started_it(  # type: ignore[no-untyped-def]
+        node, kind: str) -> None:
+    """The parent-death signal fires on the death of the forking THREAD:
+    the helper started by a worker thread that ended still serves the
+    phase; the hook's death ends the helper, or a cuda-checkpoint run, at
+    once."""
+    import json
+    import signal
+    import sys
+
+    pid = workers(node, 1)[0]
+    settings = node.lab.settings(backend=kind).as_dict()
+    node.lab.fault("lock", "delay", seconds=30, pid=pid, times=1)
+    hook = subprocess.Popen([sys.executable, "-c", BOUND_HOOK, json.dumps(settings), str(pid)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        said = json.loads(hook.stdout.readline())  # type: ignore[union-attr]
+        if kind == "driver-api":
+            assert said["attaches"] == 1 and said["helper"], said  # one helper, still alive
+        tool = (str(node.lab.cuda_checkpoint) if kind == "cli"
+                else f"driver_helper.py {node.lab.libcuda}")
+        deadline = time.monotonic() + 10
+        while not _children_running(hook.pid, tool):
+            assert time.monotonic() < deadline, "the lock call never started"
+            time.sleep(0.02)
+        os.kill(hook.pid, signal.SIGKILL)
+        hook.wait(5)
+        deadline = time.monotonic() + 2
+        while _descendants_named(tool):
+            assert time.monotonic() < deadline, f"calls outlived their hook: {_descendants_named(tool)}"
+            time.sleep(0.02)
+    finally:
+        hook.kill()
+        hook.wait()
+    node.lab.clear_faults()
+    assert CudaCheckpointCLI(Host(), node.lab.settings()).get_state(pid) == "running"
+
+
+def _cmdlines() -> dict[int, str]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    out[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+    return out
+
+
+def _children_running(parent: int, needle: str) -> bool:
+    return any(needle in cmd and Host().ppid(p) == parent
+               for p, cmd in _cmdlines().items() if Host().alive(p))
+
+
+def _descendants_named(needle: str) -> list[int]:
+    return [p for p, cmd in _cmdlines().items() if needle in cmd and Host().alive(p)]

@@ -4,6 +4,7 @@ both backends: the cuda-checkpoint CLI and the driver API (the fake libcuda)."""
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 
@@ -520,3 +521,40 @@ def test_restore_failure_reports_the_states_read_back(make_node) -> None:  # typ
     engine.backend.restore = type(engine.backend).restore.__get__(engine.backend)  # type: ignore[method-assign]
     assert engine.restore(procs).ok
     assert_all_running_and_intact(node, engine, [p.pid for p in procs], frozen)
+
+
+def test_the_rollback_waits_out_an_operation_still_in_progress(make_node) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint call that failed can leave the driver still working on
+    the process (CUDA 13.4+ says `checkpointing`): the rollback waits for
+    that to end and brings the process back, rather than find it "still
+    checkpointing" and give up."""
+    import threading
+
+    node = make_node(driver=580)
+    node.lab.set(transient_states=True)
+    p = node.spawn("w", mib=2)
+    node.lab.wait_counter("w")
+    engine = node.engine()
+    node.lab.fault("checkpoint", pid=p.pid, code=2, times=1)
+    timers: list[threading.Timer] = []
+
+    def in_progress(pid: int) -> None:  # the rollback's first read finds it busy
+        rules = json.loads((node.lab.root / "faults.json").read_text() or "[]")
+        if not timers and all(r.get("times", 1) <= 0 for r in rules):
+            node.lab.force_state(pid, "checkpointing")
+            timers.append(threading.Timer(0.8, node.lab.force_state, (pid, "locked")))
+            timers[0].start()
+
+    _wrap(engine, "get_state", in_progress)
+    try:
+        with pytest.raises(PhaseError) as err:
+            engine.checkpoint([p.pid])
+    finally:
+        for t in timers:
+            t.join()
+    res = err.value.result
+    assert timers, "the rollback never read the state"
+    assert err.value.safe and res.rolled_back, res.errors
+    assert res.final == {p.pid: "running"}
+    st = node.lab.wait_counter("w", node.lab.status("w")["counter"] + 11)
+    assert st["intact"] and not st["errors"], st

@@ -158,3 +158,78 @@ def test_restores_only_what_it_finds_locked_or_checkpointed(node: Node) -> None:
     criu.wait()
     assert guardian.main(args) == 0
     assert "nothing to resume" in _events(node)[-1]["outcome"]
+
+
+def _three(node: Node) -> tuple[list[Any], dict[str, int], Any]:
+    init = node.spawn_tree(("a", {"mib": 1}), ("b", {"mib": 1}), ("c", {"mib": 1}))
+    for t in ("a", "b", "c"):
+        node.lab.wait_counter(t, 2)
+    engine = node.engine()
+    procs = discover(engine.host, engine.backend, init.pid, engine.settings.device_regex).processes
+    return procs, {t: node.lab.status(t)["pid"] for t in ("a", "b", "c")}, engine
+
+
+def _guard(node: Node, pids: list[int], **settings: Any) -> int:
+    criu = subprocess.Popen(["true"])
+    args = json.loads(_args(node, criu, pids))
+    args["settings"].update(settings)
+    args["run"] = str(Path(node.settings().state_dir) / "runs" / "4242-77.json")
+    criu.wait()
+    return guardian.main(json.dumps(args))
+
+
+def test_a_state_in_progress_is_waited_out_then_acted_on(node: Node) -> None:
+    """CUDA 13.4+ says `checkpointing` while a checkpoint runs on: never
+    "runs", and what it ends in (checkpointed) is brought back."""
+    procs, by_tag, engine = _three(node)
+    engine.checkpoint([by_tag["c"]])
+    frozen = {"c": node.lab.status("c")["counter"]}
+    node.lab.force_state(by_tag["c"], "checkpointing")
+    timer = threading.Timer(1.0, node.lab.force_state, (by_tag["c"], "checkpointed"))
+    timer.start()
+    try:
+        assert _guard(node, [p.pid for p in procs], call_timeout_s=20.0) == 0
+    finally:
+        timer.join()
+    g = _events(node)[-1]
+    assert "resumed" in g["outcome"] and g["pids"] == [by_tag["c"]], g
+    assert {engine.read_state(p.pid) for p in procs} == {"running"}
+    _wait_intact(node, frozen)
+
+
+@pytest.mark.parametrize("state", ["failed", "unknown", "checkpointing", "restoring"])
+def test_any_state_but_running_locked_or_checkpointed_is_unsafe(node: Node, state: str) -> None:
+    """Found after the calls are dead and the wait for an operation in
+    progress: exit 4, naming the process - never "every process runs"."""
+    procs, by_tag, engine = _three(node)
+    engine.checkpoint([by_tag["c"]])
+    node.lab.force_state(by_tag["b"], state)
+    assert _guard(node, [p.pid for p in procs], call_timeout_s=1.0) == 4
+    g = _events(node)[-1]
+    assert g.get("unsafe") is True and g["pids"] == [by_tag["b"]], g
+    assert f"pid {by_tag['b']}" in g["error"] and "not running" in g["error"], g
+    # What could be brought back was.
+    assert engine.read_state(by_tag["c"]) == "running"
+
+
+def test_the_action_scripts_calls_are_ended_before_any_state_is_read(node: Node) -> None:
+    """A driver call of the pre-dump that armed the guardian, still running
+    after the script died (here: about to lock b), is ended first - or it
+    would lock the workload after the guardian judged it."""
+    from cudahook.hooks.criu_run import calls_name
+    from cudahook.platform.tools import CALLS_ENV
+
+    procs, by_tag, engine = _three(node)
+    run = Path(node.settings().state_dir) / "runs" / "4242-77.json"
+    env = {**os.environ, CALLS_ENV: str(calls_name(run))}
+    late = subprocess.Popen(["sh", "-c", f"sleep 2; exec {node.lab.cuda_checkpoint} "
+                             f"--action lock --pid {by_tag['b']}"], env=env,
+                            start_new_session=True)
+    try:
+        assert _guard(node, [p.pid for p in procs]) == 0
+        assert late.wait(5) == -9  # ended by the guardian, not by its own end
+    finally:
+        late.kill()
+        late.wait()
+    time.sleep(2.5)  # when the call would have locked b
+    assert {engine.read_state(p.pid) for p in procs} == {"running"}

@@ -34,7 +34,15 @@ from cudahook.platform.errors import EnvironmentProblem, PhaseError, ToolError
 from cudahook.platform.host import Host, ProcessGone
 from cudahook.platform.record import Record
 
-from .backends import CHECKPOINTED, LOCKED, RUNNING, STABLE, explain_state
+from .backends import (
+    CHECKPOINTED,
+    CHECKPOINTING,
+    LOCKED,
+    RESTORING,
+    RUNNING,
+    STABLE,
+    explain_state,
+)
 from .discovery import CudaProcess, has_device_fd
 from .fanout import Raised, fan_out
 from .timeline import Timeline
@@ -179,14 +187,36 @@ class Engine:
             raise ProcessGone(pid)
         return RUNNING if has_device_fd(self.host, pid, self.settings.device_regex) else CHECKPOINTED
 
+    def settled_state(self, pid: int, wait_s: float | None = None) -> str:
+        """The process's state once no operation is in progress on it.
+
+        CUDA 13.4+ reports `checkpointing` or `restoring` while the driver
+        carries a checkpoint or restore out - it may still do so after the
+        call that asked for it was killed. Judging the process then would
+        act on a state about to change: wait (call_timeout_s by default)
+        for it to end, and return what it ended in (a state still in
+        progress after the wait is returned as is: not safe, not actable)."""
+        import time
+
+        deadline = time.monotonic() + (self.settings.call_timeout_s if wait_s is None
+                                       else wait_s)
+        while True:
+            state = self.read_state(pid)
+            if state not in (CHECKPOINTING, RESTORING) or time.monotonic() >= deadline:
+                return state
+            time.sleep(0.05)
+
     def read_states(
-        self, pids: list[int], tl: Timeline, step: str = "get-state"
+        self, pids: list[int], tl: Timeline, step: str = "get-state", *, settle: bool = False
     ) -> tuple[dict[int, str], dict[int, str]]:
+        """States by PID, and the errors of those that could not be read.
+        `settle`: each once no operation is in progress on it (settled_state)."""
         states: dict[int, str] = {}
+        read = self.settled_state if settle else self.read_state
 
         def one(pid: int) -> None:
             with tl.step(pid, step):
-                states[pid] = self.read_state(pid)
+                states[pid] = read(pid)
 
         failures = self._each(pids, one, parallel=True)
         return states, {pid: _describe(pid, exc, self.host) for pid, exc in failures.items()}
@@ -281,7 +311,9 @@ class Engine:
         """Bring every process back to running; (all alive verified running, errors, states).
 
         States are read again rather than remembered: a call killed at its
-        deadline may still have changed the process.
+        deadline may still have changed the process, or still be changing
+        it (a state in progress is waited out first: `settled_state`). Only
+        `running` counts as back: any other final state fails the rollback.
         """
         final: dict[int, str] = {}
         errors: dict[int, str] = {}
@@ -289,7 +321,7 @@ class Engine:
 
         def back(pid: int) -> None:
             try:
-                state = self.read_state(pid)
+                state = self.settled_state(pid)
             except ProcessGone:
                 raise
             except Exception:
@@ -316,7 +348,7 @@ class Engine:
                 final[pid] = self.read_state(pid)
             if final[pid] != RUNNING:
                 raise ToolError(pid, "verify", 0,
-                                f"still {explain_state(final[pid])} after rollback")
+                                f"{explain_state(final[pid])} after the rollback, not running")
 
         failures = self._each(pids, back, parallel=True)
         for pid, exc in failures.items():

@@ -83,8 +83,40 @@ def run(ctx: Context, call: CriuCall) -> int:
             "post-resume": post_resume}.get(call.action)
     if step is None:
         return Exit.OK
-    criu_run = CriuRun(ctx.store, ctx.host, call.criu_pid)
-    earlier = criu_run.outcome(call.action)
+    try:
+        criu_run = CriuRun(ctx.store, ctx.host, call.criu_pid)
+        earlier = criu_run.outcome(call.action)
+        killed = earlier is None and criu_run.started(call.action)
+        if earlier is None and not killed:
+            criu_run.own_calls(call.action, ctx.host)  # before any call: platform/tools.py
+    except Exception as exc:
+        if call.action != "post-resume":
+            raise
+        # The tasks run already, and the shell let this call through only
+        # because post-restore marked a CUDA restore: without the run's
+        # record it cannot be finished, so it fails closed.
+        with contextlib.suppress(OSError):
+            mark("restore", str(call.criu_pid), on=False)
+        try:
+            init_pid: int | None = _need_init(ctx, call)
+        except CudahookError:
+            init_pid = None
+        return _fail_closed(ctx, init_pid, None, None, exc)
+    if killed:
+        # Hazard: CRIU 3.19-4.1.1 run the second call even when the first was
+        # killed mid-way, with no outcome recorded. Acting again would race
+        # whatever the first call left in progress. Undo: none - this call
+        # touches nothing; the operation fails, and the guardian (dump) or
+        # the restore watcher (restore) deals with what the first call left.
+        what = "dump" if call.action == "pre-dump" else "restore"
+        error = (f"{call.action}: an earlier call in this CRIU run stopped without finishing "
+                 f"(killed?): this {what} fails, and its "
+                 f"{'guardian' if what == 'dump' else 'restore watcher'} deals with what "
+                 "that call left; nothing was touched by this call")
+        ctx.log(call.action, error=error, init_pid=call.init_pid)
+        criu_run.finish(call.action, Exit.FAILED)
+        print(f"cudahook: {error}", file=sys.stderr)
+        return Exit.FAILED
     if earlier is not None:
         if earlier:  # its failure was told at the first call; say so again, in one line
             print(f"cudahook: {call.action}: failed earlier in this CRIU run (exit {earlier}); "
@@ -430,7 +462,24 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         data = {}
     if data is None:
         return Exit.OK
-    # 2. The restore checks of `cudahook check --image` (hooks/checks.py): the
+    # 2. Hazard: this script or post-resume's killed (a runtime's timeout, the
+    #    OOM killer) - with CRIU itself, when a runtime kills the whole
+    #    process group - leaves the restored tasks running checkpointed, or
+    #    never resumed by CRIU: CRIU only logs a post-resume failure, and
+    #    reports the restore done. Undo: the restore watcher, armed before
+    #    anything else, kills the container once CRIU and these scripts are
+    #    gone, unless post-resume recorded a restore that succeeded. Left
+    #    open: a kill of the whole group (CRIU with it) before this point -
+    #    while the interpreter starts - leaves the never-resumed tasks to the
+    #    runtime, which deletes a container whose runc failed.
+    init_pid = _need_init(ctx, call)
+    try:
+        watcher = guardian.watch(ctx, call.criu_pid, data.get("container_id"), init_pid,
+                                 criu_run.path)
+        criu_run.note("watcher", [watcher, _start_time(ctx, watcher)])
+    except Exception as exc:
+        raise EnvironmentProblem(f"post-restore: cannot arm the restore watcher: {exc}") from exc
+    # 3. The restore checks of `cudahook check --image` (hooks/checks.py): the
     #    image intact, CRIU's own CUDA plugin absent (it would restore these
     #    processes without a device map), the same driver branch, the GPUs
     #    present, a device map this driver can apply, the VMM coordinator.
@@ -438,7 +487,7 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     #    remembered, and the next attempt refused at once.
     from . import checks
 
-    record, ctx, opts = container_for(ctx, _need_init(ctx, call))
+    record, ctx, opts = container_for(ctx, init_pid)
     verdict = checks.restore_checks(ctx, call.image_dir, record, opts)
     cid = (record or {}).get("id") or data.get("container_id")
     kept = checks.write_verdict(ctx, call.image_dir, verdict)
@@ -452,7 +501,7 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         raise checks.Refused(verdict, "post-restore")
     mapping = verdict.facts.get("device_map")
     criu_run["device_map"] = mapping
-    # 3. Hazard: by post-resume CRIU has closed the image directory
+    # 4. Hazard: by post-resume CRIU has closed the image directory
     #    (CRTOOLS_IMAGE_DIR names a dead /proc/<criu>/fd/N): keep what the
     #    restore needs from it now - the manifest, and where the VMM state is.
     #    Hazard: an image directory reused from an older checkpoint can hold
@@ -467,7 +516,7 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         vmm_dir = vmm.locate_state(call.image_dir, criu_run.path.with_suffix(".vmm"))
     criu_run["vmm_dir"] = vmm_dir
     criu_run["manifest"] = data
-    # 4. The mark that lets the shell start Python at post-resume. Without it
+    # 5. The mark that lets the shell start Python at post-resume. Without it
     #    post-resume would be skipped and the workload left checkpointed: fail
     #    the restore now instead, while that is still clean.
     prune_restore_marks()  # left by restores whose post-resume never ran
@@ -486,74 +535,113 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
 
 
 def post_resume(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
+    """Every step here runs inside one fail-closed guard: the tasks run
+    already, so a failure of any of them - reading the manifest, finding
+    the container in the state directory, the driver calls - kills the
+    container instead of leaving it running checkpointed while CRIU
+    reports the restore successful."""
     with contextlib.suppress(OSError):
         mark("restore", str(call.criu_pid), on=False)
-    data = criu_run.get("manifest")
-    if data is None and "post-restore" not in criu_run["done"]:
-        data = manifest.read(call.image_dir) if call.image_dir else None
-    if data is None:
-        return Exit.OK
-    init_pid = _need_init(ctx, call)
-    record, ctx, opts = container_for(ctx, init_pid)
-    cid = (record or {}).get("id") or data.get("container_id")
-    from cudahook.platform import busy
-
-    # Hazard: `cudahook status` calling cuda-checkpoint on processes being
-    # restored. The container's busy lock keeps it out - but never at the
-    # cost of the restore: after the wait it goes on without the lock.
-    with busy.hold(ctx.settings.state_dir, lock_key(ctx, record, init_pid), BUSY_WAIT_S,
-                   required=False):
-        return _restore(ctx, call, criu_run, data, init_pid, record, opts, cid)
-
-
-def _restore(ctx: Context, call: CriuCall, criu_run: CriuRun, data: dict[str, Any],
-             init_pid: int, record: dict[str, Any] | None, opts: Any, cid: str | None) -> int:
+    data: dict[str, Any] | None = None
+    cid: str | None = None
+    init_pid: int | None = None  # set once it is known to be a container's init
     try:
-        # 1. The device map post-restore settled on, and the restored
-        #    processes by their namespace PIDs (host PIDs changed).
-        mapping = (criu_run["device_map"] if "device_map" in criu_run
-                   else plan_restore(ctx, record, opts, data))
-        procs = restored_pids(ctx, init_pid, data)
-        # 2. Restore all (onto the new GPUs if they changed), then unlock all
-        #    and verify each one `running`. Hazard: a remap that skips the
-        #    unlock leaves the workload running but blocked forever - the
-        #    engine verifies. A restore that fails on memory leaves a process
-        #    checkpointed: the engine releases nothing on failure.
-        vmm_dir = criu_run.get("vmm_dir")
-        before = bool(vmm_dir) and ctx.settings.vmm_restore_before_unlock
-        result = ctx.engine.restore(procs, mapping, unlock=not before)
-        # 3. The VMM coordinator replays CUDA calls inside the workload: it
-        #    needs the processes restored and, by default, unlocked.
-        began, vmm_s = time.monotonic(), None
-        if vmm_dir:
-            pairs = list(zip(procs, (p["nspid"] for p in data["processes"]), strict=True))
-            output = vmm.run_coordinator(ctx.host, ctx.settings.tool("vmm_coordinator"),
-                                         "restore", "", Path(vmm_dir), pairs,
-                                         ctx.settings.vmm_timeout_s)
-            ctx.log("vmm-restore", container=cid, pids=procs, output=output)
-            vmm_s = time.monotonic() - began
-            if before:
-                ctx.engine.unlock(procs)
-    except CudahookError as exc:
-        # Undo: none is possible for a half-restored workload. Kill the
-        # container; the image is unchanged, and a retry restores from it.
-        killed = kill_container(ctx, init_pid)
-        error = f"restore failed, container killed ({killed} processes): {exc}"
-        timeline = exc.result.timeline.to_dict() if isinstance(exc, PhaseError) and exc.result else None
-        ctx.log("restore", container=cid, error=error, timeline=timeline)
-        results.remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline, killed=killed,
-                  gpu_model=_model(data))
-        return int(exc.exit_code) or Exit.FAILED
-    if vmm_dir and record:
-        record_vmm_sockets(ctx, record["key"], procs, [p["nspid"] for p in data["processes"]])
-    ctx.log("restore", container=cid, pids=procs, device_map=mapping,
-            total_s=result.timeline.total(), timeline=result.timeline.to_dict())
-    results.remember(ctx, cid, "restore", ok=True, pids=procs, device_map=mapping,
-              total_s=round(result.timeline.total(), 6), timeline=result.timeline.to_dict(),
-              gpu_bytes=data.get("gpu_memory_bytes"), gpu_model=_model(data),
-              criu_restore_s=criu_run.get("criu_restore_s"),
-              vmm_restore_s=vmm_s)
+        data = criu_run.get("manifest")
+        if data is None and "post-restore" not in criu_run["done"]:
+            data = manifest.read(call.image_dir) if call.image_dir else None
+        if data is None:
+            return Exit.OK
+        cid = data.get("container_id")
+        init_pid = _need_init(ctx, call)
+        record, ctx, opts = container_for(ctx, init_pid)
+        cid = (record or {}).get("id") or cid
+        from cudahook.platform import busy
+
+        # Hazard: `cudahook status` calling cuda-checkpoint on processes being
+        # restored. The container's busy lock keeps it out - but never at the
+        # cost of the restore: after the wait it goes on without the lock.
+        with busy.hold(ctx.settings.state_dir, lock_key(ctx, record, init_pid), BUSY_WAIT_S,
+                       required=False):
+            result, procs, mapping, vmm_s = _restore(ctx, criu_run, data, init_pid, record,
+                                                     opts, cid)
+    except Exception as exc:  # whatever failed, after CRIU restored the tasks
+        return _fail_closed(ctx, init_pid, cid, data, exc)
+    _restored(ctx, criu_run, data, record, cid, result, procs, mapping, vmm_s)
     return Exit.OK
+
+
+def _restore(ctx: Context, criu_run: CriuRun, data: dict[str, Any], init_pid: int,
+             record: dict[str, Any] | None, opts: Any,
+             cid: str | None) -> tuple[Any, list[int], Any, float | None]:
+    # 1. The device map post-restore settled on, and the restored
+    #    processes by their namespace PIDs (host PIDs changed).
+    mapping = (criu_run["device_map"] if "device_map" in criu_run
+               else plan_restore(ctx, record, opts, data))
+    procs = restored_pids(ctx, init_pid, data)
+    # 2. Restore all (onto the new GPUs if they changed), then unlock all
+    #    and verify each one `running`. Hazard: a remap that skips the
+    #    unlock leaves the workload running but blocked forever - the
+    #    engine verifies. A restore that fails on memory leaves a process
+    #    checkpointed: the engine releases nothing on failure.
+    vmm_dir = criu_run.get("vmm_dir")
+    before = bool(vmm_dir) and ctx.settings.vmm_restore_before_unlock
+    result = ctx.engine.restore(procs, mapping, unlock=not before)
+    # 3. The VMM coordinator replays CUDA calls inside the workload: it
+    #    needs the processes restored and, by default, unlocked.
+    began, vmm_s = time.monotonic(), None
+    if vmm_dir:
+        pairs = list(zip(procs, (p["nspid"] for p in data["processes"]), strict=True))
+        output = vmm.run_coordinator(ctx.host, ctx.settings.tool("vmm_coordinator"),
+                                     "restore", "", Path(vmm_dir), pairs,
+                                     ctx.settings.vmm_timeout_s)
+        ctx.log("vmm-restore", container=cid, pids=procs, output=output)
+        vmm_s = time.monotonic() - began
+        if before:
+            ctx.engine.unlock(procs)
+    return result, procs, mapping, vmm_s
+
+
+def _fail_closed(ctx: Context, init_pid: int | None, cid: str | None,
+                 data: dict[str, Any] | None, exc: Exception) -> int:
+    """Undo: none is possible for a half-restored workload. Kill the
+    container; the image is unchanged, and a retry restores from it. An
+    init PID that is not a container's (unset, gone, a kernel thread) names
+    nothing to kill: the error says so."""
+    killed = kill_container(ctx, init_pid) if init_pid is not None else 0
+    if isinstance(exc, CudahookError):
+        what, rc = str(exc), int(exc.exit_code) or Exit.FAILED
+    else:  # a bug must still fail closed, and say what it was
+        what, rc = f"internal error: {type(exc).__name__}: {exc}", Exit.FAILED
+    error = f"restore failed, container killed ({killed} processes): {what}"
+    timeline = (exc.result.timeline.to_dict()
+                if isinstance(exc, PhaseError) and exc.result else None)
+    with contextlib.suppress(Exception):  # the kill is done; telling it must not undo it
+        ctx.log("restore", container=cid, error=error, timeline=timeline)
+        results.remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline,
+                         killed=killed, gpu_model=_model(data))
+    return rc
+
+
+def _restored(ctx: Context, criu_run: CriuRun, data: dict[str, Any],
+              record: dict[str, Any] | None, cid: str | None,
+              result: Any, procs: list[int], mapping: Any, vmm_s: float | None) -> None:
+    """Record a restore that succeeded. Only bookkeeping: the workload runs
+    on its GPU, verified, and a full or damaged state directory must not
+    kill it now."""
+    try:
+        if criu_run.get("vmm_dir") and record:
+            record_vmm_sockets(ctx, record["key"], procs, [p["nspid"] for p in data["processes"]])
+        ctx.log("restore", container=cid, pids=procs, device_map=mapping,
+                total_s=result.timeline.total(), timeline=result.timeline.to_dict())
+        results.remember(ctx, cid, "restore", ok=True, pids=procs, device_map=mapping,
+                         total_s=round(result.timeline.total(), 6),
+                         timeline=result.timeline.to_dict(),
+                         gpu_bytes=data.get("gpu_memory_bytes"), gpu_model=_model(data),
+                         criu_restore_s=criu_run.get("criu_restore_s"), vmm_restore_s=vmm_s)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            ctx.log("restore", container=cid, pids=procs,
+                    warning=f"restored, but the result was not recorded: {exc}")
 
 
 def record_vmm_sockets(ctx: Context, key: str, pids: list[int], nspids: list[int]) -> None:

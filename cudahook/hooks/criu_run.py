@@ -6,6 +6,12 @@ call would undo itself, so each action's outcome is kept per CRIU run -
 keyed by CRIU's PID and its start time, so a reused PID is another run - and
 the second call returns it unchanged. post-restore also leaves here what
 post-resume needs: CRIU has closed the image directory by then.
+
+Before its first driver call, each action records here the name its calls
+carry (`calls`, platform/tools.py) and its own PID and start time (`hooks`):
+a call whose first run was killed mid-way is told by a `hooks` entry without
+an outcome, and the guardian and the restore watcher (`watcher`, recorded as
+soon as it is armed) wait for those scripts, then end those calls.
 """
 
 from __future__ import annotations
@@ -49,6 +55,35 @@ class CriuRun:
         self.progress["step"] = name
         write_json_atomic(self.path, self.progress)
 
+    def started(self, action: str) -> bool:
+        """Whether a call of `action` in this run started acting (see own_calls)."""
+        hooks = self.progress.get("hooks")
+        return isinstance(hooks, dict) and action in hooks
+
+    def own_calls(self, action: str, host: Host) -> None:
+        """Name every driver call this action starts after this run, and
+        record the name and this script's (pid, start time), before the
+        first call: whoever judges the workload after this script died waits
+        for it, then ends those calls first (platform/tools.py)."""
+        import os
+
+        from cudahook.platform.tools import own_calls
+
+        name = calls_name(self.path)
+        assert name is not None
+        own_calls(name)
+        self.progress["calls"] = name
+        hooks = self.progress.get("hooks")
+        if not isinstance(hooks, dict):
+            hooks = self.progress["hooks"] = {}
+        hooks[action] = [os.getpid(), host.start_time(os.getpid())]
+        write_json_atomic(self.path, self.progress)
+
+    def note(self, name: str, value: Any) -> None:
+        """Record `name` in the progress at once (the script may die next)."""
+        self.progress[name] = value
+        write_json_atomic(self.path, self.progress)
+
     def finish(self, action: str, rc: int) -> None:
         self.progress["done"][action] = int(rc)
         write_json_atomic(self.path, self.progress)
@@ -64,6 +99,11 @@ class CriuRun:
 
     def __contains__(self, name: str) -> bool:
         return name in self.progress
+
+
+def calls_name(run_path: str | Path | None) -> str | None:
+    """The name the driver calls of a CRIU run's action scripts carry."""
+    return f"criu-run-{Path(run_path).stem}" if run_path else None
 
 
 def run_key(host: Host, criu_pid: int) -> str:

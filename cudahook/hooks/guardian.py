@@ -11,9 +11,15 @@ script itself failed or was killed: CRIU then aborts) or when it dumps with
 So the guardian never acts while a dump may still legitimately run: it waits
 for this CRIU process to exit, then for the action script that armed it (a
 CRIU that was killed itself leaves a hook that may still be locking). Then
-it reads each of its processes' CUDA state and restores only those it finds
-locked or checkpointed - one that never got locked, or that the action
-script already rolled back, is left alone. If the CUDA VMM interposer's
+it ends every driver call that script started and waits until none is left
+(platform/tools.py: each call carries the run's name; a call left running
+would finish a checkpoint after the guardian judged the workload). Only then
+it reads each of its processes' CUDA state - once no operation is in
+progress on it (`checkpointing`, `restoring`: CUDA 13.4+) - and restores
+those it finds locked or checkpointed; one found `running` (never locked,
+or rolled back by the action script) is left alone. Any other state -
+failed, unknown, still in progress, or a call that could not be ended - is
+reported unsafe (exit 4), with its PID: never taken for running. If the CUDA VMM interposer's
 prepare ran (its state was copied next to the run's progress record before
 the first lock), the state is replayed into the processes it brought back
 from checkpointed: the checkpoint dropped their VMM mappings. Failing that,
@@ -21,6 +27,12 @@ it says so: the result is recorded unsafe, never "resumed".
 
 While it lives, its marker in the state directory names it, so that a new
 checkpoint of the same container waits for it (see `pending`).
+
+The restore side has its watcher (`watch_restore`), armed at post-restore
+before the tasks run: once CRIU and the post-resume action script are gone,
+unless post-resume recorded a restore that succeeded, it ends the restore's
+driver calls and kills the container - a half-restored workload is never
+left running.
 """
 
 from __future__ import annotations
@@ -59,9 +71,6 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
     each process's namespace PID, for a VMM replay. `key`: what names the
     container's busy lock and the marker (containers.lock_key).
     """
-    import subprocess
-    import sys
-
     hook = os.getpid()
     args = {
         "criu_pid": criu_pid,
@@ -74,18 +83,49 @@ def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int |
         "run": str(run_path),
         "vmm": {"dir": str(vmm_dir(run_path)), "nspids": {str(p): n for p, n in vmm_nspids.items()}},
     }
-    child = subprocess.Popen(
-        [sys.executable, "-I", "-c", "import sys; from cudahook.hooks.guardian import main; "
-         "sys.exit(main(sys.argv[1]))", json.dumps(args)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True,
-    )
+    child = _detached("main", args)
     if key:
         from cudahook.platform.store import write_json_atomic
 
         write_json_atomic(_marker(ctx.settings.state_dir, key),
                           {"pid": child.pid, "start": ctx.host.start_time(child.pid),
                            "criu_pid": criu_pid})
+
+
+def _detached(entry: str, args: dict[str, Any]) -> Any:
+    """Start `entry`(args) of this module in a session of its own, outliving
+    the hook: not bound to it, and not carrying its calls' name (it ends
+    those calls; its own carry a name of their own)."""
+    import subprocess
+    import sys
+
+    from cudahook.platform.tools import calls_env
+
+    return subprocess.Popen(
+        [sys.executable, "-I", "-c", f"import sys; from cudahook.hooks.guardian import {entry}; "
+         f"sys.exit({entry}(sys.argv[1]))", json.dumps(args)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True, env=calls_env(),
+    )
+
+
+def _end_calls(ctx: Any, args: dict[str, Any], cid: str | None) -> list[int]:
+    """End the driver calls of the run that armed us, and name our own
+    calls; the PIDs of calls that would not end (stuck in the driver)."""
+    from cudahook.platform.tools import end_calls, own_calls
+
+    from .criu_run import calls_name
+
+    name = calls_name(args.get("run"))
+    if not name:
+        return []
+    own_calls(f"{name}.guardian")
+    stuck = end_calls(name, ctx.settings.call_timeout_s)
+    if stuck:
+        ctx.log("guardian", container=cid, stuck_calls=stuck,
+                error=f"driver calls of the action script still alive after SIGKILL and "
+                f"{ctx.settings.call_timeout_s:g}s (stuck in the driver): pids {stuck}")
+    return stuck
 
 
 def vmm_dir(run_path: Path) -> Path:
@@ -289,7 +329,7 @@ def _unmark(args: dict[str, Any], key: str) -> None:
 
 
 def _guard(args: dict[str, Any], cid: str | None) -> int:
-    from cudahook.core.backends import CHECKPOINTED, LOCKED
+    from cudahook.core.backends import CHECKPOINTED, LOCKED, RUNNING, explain_state
     from cudahook.core.timeline import Timeline
     from cudahook.platform.config import Settings
     from cudahook.platform.errors import CudahookError
@@ -309,6 +349,9 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
             ctx.log("guardian", container=cid, error=f"{what} (pid {pid}) still running after "
                     f"{MAX_WAIT_S}s: the workload is left as it is")
             return 1
+    # Its calls die with it (parent-death signal); whatever they started,
+    # or a call the signal missed, is ended here before any state is read.
+    stuck = _end_calls(ctx, args, cid)
     how, step, handed_over = _how(args)
     # CRIU's own dump time, as seen from here: pre-dump's end to CRIU's exit.
     if isinstance(handed_over, (int, float)):
@@ -317,7 +360,7 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
     keep = args.get("vmm")
     if keep and not os.path.isdir(keep["dir"]):
         keep = None  # prepare never ran (or no VMM step): nothing to replay
-    if step in SETTLED:
+    if step in SETTLED and not stuck:
         # The pre-dump stopped before any lock, or its own rollback verified
         # every process running: nothing to do, and nothing to wait for (a
         # container left paused must not hold up its next checkpoint).
@@ -343,35 +386,130 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
             return 1
         time.sleep(0.05)
         alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
+    if stuck:  # a call still in the driver may change any state read now
+        return _unsafe(ctx, cid, alive, how, keep,
+                       f"driver calls {stuck} of the action script could not be ended; "
+                       "the workload's CUDA state is not known")
+    troubled: dict[int, str] = {}
     try:
         with _busy(ctx, args.get("key", cid)):
-            # Only what a checkpoint left behind: a process that was never
-            # locked, or that the action script rolled back, runs already.
-            states, unread = ctx.engine.read_states(alive, Timeline())
+            # Only `running` is safe. Locked or checkpointed: what a
+            # checkpoint left behind, brought back. Anything else (failed,
+            # unknown, an operation still in progress after the wait) is
+            # nothing we may act on, and never taken for running.
+            states, unread = ctx.engine.read_states(alive, Timeline(), settle=True)
             if unread:
                 raise CudahookError("; ".join(unread[p] for p in sorted(unread)))
             todo = [p for p in alive if states[p] in (LOCKED, CHECKPOINTED)]
-            if not todo:
+            troubled = {p: states[p] for p in alive if states[p] not in (RUNNING, LOCKED,
+                                                                        CHECKPOINTED)}
+            if not todo and not troubled:
                 _drop(keep)
                 ctx.log("guardian", container=cid, outcome="every process runs; nothing to "
                         "resume", run=how)
                 return 0
             result = ctx.engine.restore(todo, unlock=not (
-                keep and ctx.settings.vmm_restore_before_unlock))
-            if keep:
+                keep and ctx.settings.vmm_restore_before_unlock)) if todo else None
+            if keep and result is not None:
                 _vmm_restore(ctx, cid, keep, result)
     except CudahookError as exc:
         alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
         if not alive:
             ctx.log("guardian", container=cid, outcome="tasks exited while resuming")
             return 0
-        error = f"could not bring the workload back onto its GPU: {exc}"
-        ctx.log("guardian", container=cid, pids=alive, error=error, run=how,
-                vmm_state=keep["dir"] if keep else None)
-        results.remember(ctx, cid, "resume", ok=False, unsafe=True, error=error)
-        return 1
+        return _unsafe(ctx, cid, alive, how, keep,
+                       f"could not bring the workload back onto its GPU: {exc}")
+    if troubled:
+        return _unsafe(ctx, cid, sorted(troubled), how, keep, "; ".join(
+            f"pid {p}: CUDA process is {explain_state(st)}, not running"
+            for p, st in sorted(troubled.items())) + (f"; pids {todo} were brought back"
+                                                      if todo else ""))
+    assert result is not None
     _drop(keep)
     ctx.log("guardian", container=cid, pids=todo, outcome="resumed on GPU after the dump",
             run=how, total_s=result.timeline.total(), timeline=result.timeline.to_dict())
     results.remember(ctx, cid, "resume", ok=True, pids=todo)
     return 0
+
+
+def _unsafe(ctx: Any, cid: str | None, pids: list[int], how: str, keep: dict[str, Any] | None,
+            error: str) -> int:
+    """Say that the workload was not brought back to a safe state, with the
+    PIDs: logged, remembered for `cudahook status`, exit 4."""
+    from cudahook.platform.errors import Exit
+
+    from . import results
+
+    ctx.log("guardian", container=cid, pids=pids, error=error, unsafe=True, run=how,
+            vmm_state=keep["dir"] if keep else None)
+    results.remember(ctx, cid, "resume", ok=False, unsafe=True, error=error, pids=pids)
+    return int(Exit.UNSAFE)
+
+
+# -- the restore side ---------------------------------------------------------------
+
+
+def watch(ctx: Any, criu_pid: int, cid: str | None, init_pid: int,
+          run_path: Path) -> int:
+    """Arm the restore watcher for this CRIU restore (at post-restore: the
+    tasks exist, and have not run); its PID."""
+    child = _detached("watch_restore", {
+        "criu_pid": criu_pid, "criu_start": ctx.host.start_time(criu_pid),
+        "init": [init_pid, ctx.host.start_time(init_pid)], "container": cid,
+        "settings": ctx.settings.as_dict(), "run": str(run_path)})
+    return int(child.pid)
+
+
+def watch_restore(arg: str) -> int:
+    """Once CRIU and post-resume's action script are gone: unless post-resume
+    recorded a restore that succeeded, end the restore's driver calls, then
+    kill the container. Its image is unchanged, and a retry restores it."""
+    from pathlib import Path
+
+    from cudahook.platform.config import Settings
+    from cudahook.platform.errors import Exit
+    from cudahook.platform.store import read_json
+
+    from . import results
+    from .containers import kill_container
+    from .context import Context
+
+    args = json.loads(arg)
+    cid = args.get("container")
+    ctx = Context(Settings(**args["settings"]))
+    if not wait_exit(int(args["criu_pid"]), args["criu_start"], ctx.host):
+        return int(Exit.FAILED)
+
+    def progress() -> dict[str, Any]:
+        data = read_json(Path(args["run"]))
+        return data if isinstance(data, dict) else {}
+
+    # A CRIU killed itself leaves a post-resume script that may still restore.
+    hooks = progress().get("hooks") or {}
+    for action in ("post-restore", "post-resume"):
+        hook = hooks.get(action) if isinstance(hooks, dict) else None
+        if isinstance(hook, list) and len(hook) == 2 and all(type(x) is int for x in hook):
+            wait_exit(hook[0], hook[1], ctx.host)
+    finished = progress().get("done") or {}
+    done = finished.get("post-resume")
+    if done == 0:
+        return int(Exit.OK)  # restored, every process verified running
+    stuck = _end_calls(ctx, args, cid)
+    refused = finished.get("post-restore")
+    if done is None and refused:
+        # post-restore refused, cleanly: CRIU kills the tasks it restored.
+        return int(Exit.UNSAFE if stuck else Exit.OK)
+    init_pid, init_start = args["init"]
+    killed = kill_container(ctx, init_pid) if ctx.host.alive(init_pid, init_start) else 0
+    if done is not None and not killed and not stuck:
+        return int(Exit.OK)  # post-resume failed closed itself, and said so
+    why = ("post-resume did not finish (its action script was killed?)" if done is None
+           else f"post-resume exited {done}")
+    error = f"restore not finished: {why}; container killed ({killed} processes)"
+    if stuck:
+        error += f"; driver calls {stuck} could not be ended"
+    ctx.log("restore-watcher", container=cid, error=error, unsafe=bool(stuck))
+    if killed or stuck:
+        results.remember(ctx, cid, "restore", ok=False, error=error, killed=killed,
+                         unsafe=bool(stuck))
+    return int(Exit.UNSAFE if stuck else Exit.FAILED)

@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--dir", required=True)
     f.add_argument("--clear", action="store_true")
     f.add_argument("--action", default="*")
-    f.add_argument("--mode", choices=("error", "hang", "crash", "segv"), default="error",
-                   help="crash: the target process is killed; segv: the tool itself crashes")
+    f.add_argument("--mode", choices=("error", "hang", "delay", "crash", "segv"),
+                   default="error", help="delay: the call waits --seconds, then is carried "
+                   "out; crash: the target process is killed; segv: the tool itself crashes")
+    f.add_argument("--seconds", type=float, help="delay: how long the call waits")
     f.add_argument("--pid", type=int)
     f.add_argument("--tag")
     f.add_argument("--code", type=int)
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.clear:
             lab.clear_faults()
             return 0
-        match = {k: v for k in ("pid", "tag", "code", "times", "skip", "after")
+        match = {k: v for k in ("pid", "tag", "code", "times", "skip", "after", "seconds")
                  if (v := getattr(args, k)) is not None}
         lab.fault(args.action, args.mode, **match)
         return 0

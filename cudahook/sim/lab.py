@@ -283,9 +283,10 @@ class SimLab:
 
     def fault(self, action: str, mode: str = "error", **match: Any) -> None:
         """Make the fake cuda-checkpoint and libcuda fail `action`: mode
-        error (CUDA error `code`), hang, crash (the target process is
-        killed) or segv (the tool or library itself dies; `after=True`: once
-        the call was carried out). `skip=N` lets N matching calls through
+        error (CUDA error `code`), hang, delay (the call waits `seconds`,
+        then is carried out), crash (the target process is killed) or segv
+        (the tool or library itself dies; `after=True`: once the call was
+        carried out). `skip=N` lets N matching calls through
         first; `times=N` fires N times. vmm-prepare / vmm-restore faults
         apply to the VMM coordinator (see sim/vmm.py)."""
         path = self.root / "faults.json"

@@ -79,6 +79,10 @@ class RuncBox:
         if hooks_dir is not None:
             self.criu_conf.write_text(f"action-script {hooks_dir / 'cudahook-criu-action'}\n")
         self.ids: set[str] = set()
+        # runc checkpoint/restore in a session (and process group) of their
+        # own, as a runtime's shim runs them: a test may then kill that
+        # group - runc, CRIU and the action script - as a runtime would.
+        self.own_session = False
 
     # -- bundles -----------------------------------------------------------------
 
@@ -136,13 +140,14 @@ class RuncBox:
         if not detach:
             return subprocess.run([*argv, *args], stdin=subprocess.DEVNULL,
                                   capture_output=True, text=True,
-                                  timeout=timeout)
+                                  timeout=timeout, start_new_session=self.own_session)
         # runc hands its stdio to a detached container: a pipe would never see
         # EOF, and a host file would make the container undumpable. /dev/null,
         # and runc's own log for what went wrong.
         offset = log.stat().st_size if log.exists() else 0
         r = subprocess.run([*argv, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=timeout)
+                           stderr=subprocess.DEVNULL, timeout=timeout,
+                           start_new_session=self.own_session)
         with open(log, "rb") as f:
             f.seek(offset)
             tail = f.read().decode(errors="replace")

@@ -390,7 +390,8 @@ def _toggle(pid: int) -> dict[str, object]:
 
 def _inject_fault(sim_dir: str, pid: int, op: str) -> bool:
     """Apply the first fault rule that matches this call. Modes: `error`
-    (the CUDA error `code`, default 999), `hang` (never returns), `crash`
+    (the CUDA error `code`, default 999), `hang` (never returns), `delay`
+    (waits `seconds`, then the call is carried out as asked), `crash`
     (the TARGET process is killed, then the call fails), `segv` (the tool
     itself dies of SIGSEGV, no message, as a crash inside the driver
     library would; with `after` it dies only once the driver carried the
@@ -436,6 +437,9 @@ def _inject_fault(sim_dir: str, pid: int, op: str) -> bool:
     if mode == "hang":
         while True:
             time.sleep(3600)
+    if mode == "delay":
+        time.sleep(float(hit.get("seconds", 0)))
+        return False
     if mode == "segv":
         if hit.get("after"):
             return True

@@ -1,14 +1,29 @@
-"""The action script SIGKILLed at each step of pre-dump (a runtime's or the
-kubelet's timeout, the OOM killer), through real runc and CRIU with the
-simulated GPU.
+"""The kill matrix: the CRIU action script SIGKILLed - alone (the OOM killer,
+a kill of the hook's PID), or with its whole process group, runc and CRIU
+included (a runtime's or kubelet's timeout) - at every step of pre-dump,
+post-restore and post-resume, with both backends, through real runc and
+CRIU with the simulated GPU. CASES is the matrix; each case is one test id.
 
-One CUDA call of one process (mp.1) is made to hang with the simulator's
-"hang" fault at the chosen step; once it hangs, the test kills the action
-script - and, as a killed hook's children would be, the hung call. CRIU
-aborts the dump because its action script failed. Whatever the step, the
-workload must end running on its GPU and intact (counters read after the
-kill advance, memory checks pass), the container must not be left frozen,
-and a checkpoint retried once the fault is cleared must succeed and restore.
+At the chosen step, one call on one process (mp.1) is made slow (the
+simulator's `delay` fault: it waits, then is carried out as asked - so a call
+that outlived its hook would still change the workload afterwards) or, for
+post-restore's nvidia-smi, hung. Once the call is in flight, the hook is
+killed. The simulated driver reports `checkpointing` and `restoring` while
+those operations run (CUDA 13.4+): on here, as a guardian must never take
+them for running. Whatever the case:
+
+- within 5 s no driver call or driver-API helper of the killed phase is
+  left (the guardian's or restore watcher's own calls are a phase of their
+  own);
+- a failed checkpoint leaves every workload running and intact on its GPU
+  (outcomes.py), the same processes, the container not frozen;
+- a failed restore leaves nothing of the container alive and the image byte
+  for byte unchanged, and a retry restores the workload healthy.
+
+Containers are shared, which cannot hide a failure: the checkpoint side's
+container is proven healthy by each case that used it (and recreated when a
+case failed); the restore side's image is hashed before each case, and each
+retry restores it afresh, after the workloads' old status files are gone.
 """
 
 from __future__ import annotations
@@ -19,197 +34,369 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from cudahook.core import manifest
 from cudahook.platform.host import Host
+from cudahook.platform.tools import CALLS_ENV
 from cudahook.sim import wire
 
-from .conftest import needs_runc
-from .outcomes import assert_running_and_intact, restore_and_check, workload_pids
+from .conftest import Env, needs_runc
+from .outcomes import (
+    assert_dumped,
+    assert_nothing_restored,
+    assert_running_and_intact,
+    image_hashes,
+    restore_and_check,
+    workload_pids,
+)
 
 pytestmark = needs_runc
 
-WORKLOADS = [("solo", {"mib": 4}), ("mp", {"mib": 2, "procs": 3})]
+WORKLOADS = [("solo", {"mib": 2}), ("mp", {"mib": 2, "procs": 3})]
 TAGS = ["solo", "mp.0", "mp.1", "mp.2"]
 VICTIM = "mp.1"
+# Long enough that a call left alive would still be in flight at the 5 s
+# check, and would then carry its operation out.
+DELAY_S = 8.0
+LEFT_S = 5.0  # a killed phase's calls must be gone within this
+DEADLINES = {"call_timeout_s": 5.0, "lock_timeout_ms": 2000}
 
-# step -> (the call that hangs, calls of that kind let through first, what
-# the other processes are when the hook dies, with the VMM interposer).
+# (phase, step) -> (the call made slow, matching calls let through first).
 # Discovery probes each process with get-state; the checkpoint reads every
-# state back (its verify step) after the last checkpoint call and before the
-# manifest is written.
-CASES: dict[str, tuple[str, int, set[str], bool]] = {
-    "discovery": ("get-state", 0, {"running"}, False),
-    "lock": ("lock", 0, {"locked"}, False),
-    "checkpoint": ("checkpoint", 0, {"checkpointed"}, False),
-    "before-manifest": ("get-state", 1, {"checkpointed"}, False),
-    "checkpoint-vmm": ("checkpoint", 0, {"checkpointed"}, True),
+# state back (verify) before the manifest is written; a restore reads the
+# states first and verifies them running last; post-restore's checks ask
+# nvidia-smi for the GPUs.
+STEPS: dict[tuple[str, str], tuple[str, int]] = {
+    ("pre-dump", "discovery"): ("get-state", 0),
+    ("pre-dump", "lock"): ("lock", 0),
+    ("pre-dump", "checkpoint"): ("checkpoint", 0),
+    ("pre-dump", "verify"): ("get-state", 1),
+    ("post-restore", "checks"): ("nvidia-smi", 0),
+    ("post-resume", "restore"): ("restore", 0),
+    ("post-resume", "unlock"): ("unlock", 0),
+    ("post-resume", "verify"): ("get-state", 1),
 }
 
 
+@dataclass(frozen=True)
+class Case:
+    phase: str
+    step: str
+    backend: str  # "cli" (cuda-checkpoint) or "driver-api" (the helper)
+    kill: str  # "script": the action script's PID; "group": its process group
+    workload: str = "plain"  # or "vmm": the CUDA VMM interposer in every process
+
+    @property
+    def id(self) -> str:
+        vmm = "-vmm" if self.workload == "vmm" else ""
+        return f"{self.phase}-{self.step}{vmm}-{self.backend}-{self.kill}"
+
+
+BOTH = [(backend, kill) for backend in ("cli", "driver-api") for kill in ("script", "group")]
+CASES = [
+    *[Case(phase, step, backend, kill) for (phase, step) in STEPS for backend, kill in BOTH],
+    # With the VMM interposer: the guardian also replays the mappings the
+    # checkpoint dropped from the processes it brings back.
+    *[Case("pre-dump", "checkpoint", backend, kill, "vmm") for backend, kill in BOTH],
+]
+assert len({c.id for c in CASES}) == len(CASES)
+
+
+# -- processes ---------------------------------------------------------------------
+
+
+def _read(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def _pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def _hooks(env: Env, action: str) -> list[int]:
+    """The live action scripts of this node running `action`."""
+    found = []
+    for pid in _pids():
+        if b"cudahook.hooks.criu_action" not in _read(pid, "cmdline"):
+            continue
+        environ = _read(pid, "environ").split(b"\0")
+        if (f"CRTOOLS_SCRIPT_ACTION={action}".encode() in environ
+                and f"CUDAHOOK_CONFIG={env.config}".encode() in environ):
+            found.append(pid)
+    return found
+
+
+def phase_calls(env: Env) -> list[str]:
+    """The node's driver calls and driver-API helpers that are alive, other
+    than those a guardian or restore watcher started for itself (which name
+    their phase `<run>.guardian`): cuda-checkpoint, nvidia-smi, helpers."""
+    tools = (str(env.lab.cuda_checkpoint).encode(), str(env.lab.nvidia_smi).encode(),
+             f"driver_helper.py {env.lab.libcuda}".encode())
+    found = []
+    for pid in _pids():
+        # The program (the simulator's tools are Python scripts: the first
+        # arguments), not a path some other command line mentions.
+        cmd = b" ".join(_read(pid, "cmdline").split(b"\0")[:4])
+        if not any(t in cmd for t in tools):
+            continue
+        stat = _read(pid, "stat")
+        if not stat or stat[stat.rindex(b")") + 2:][:1] in b"ZX":
+            continue
+        marks = [v for v in _read(pid, "environ").split(b"\0")
+                 if v.startswith(CALLS_ENV.encode() + b"=")]
+        if marks and marks[0].endswith(b".guardian"):
+            continue
+        found.append(f"{pid}: {cmd.decode(errors='replace')[:120]}")
+    return found
+
+
+def _in_flight(env: Env, call: str) -> bool:
+    """The slow call has been reached (its rule fired), or nvidia-smi runs."""
+    if call == "nvidia-smi":
+        return any(str(env.lab.nvidia_smi).encode() in _read(p, "cmdline") for p in _pids())
+    try:  # read while the simulator rewrites it: an empty file is no answer
+        rules = json.loads((env.lab.root / "faults.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(rules) and all(r.get("times", 1) <= 0 for r in rules)
+
+
 def _sim_state(host_pid: int) -> str:
-    """A process's CUDA state straight from its restore thread: no
-    cuda-checkpoint call, so no injected fault is consumed."""
+    """A process's CUDA state straight from its restore thread: no driver
+    call, so no injected fault is consumed."""
     nspid = Host().nspid(host_pid)
     sock = f"/proc/{host_pid}/root/dev/shm/cuda-sim-{nspid}.sock"
     reply = wire.request(sock, (wire.dumps({"op": "get-state"}) + "\n").encode(), timeout=10)
     return str(wire.loads(reply.decode())["state"])
 
 
-def _fault_hit(env: Any) -> bool:
-    try:  # read while the simulator rewrites it: an empty file is no answer
-        rules = json.loads((env.lab.root / "faults.json").read_text())
-    except ValueError:
-        return False
-    return all(r.get("times", 1) <= 0 for r in rules)
-
-
-def _processes(needle: str, env_var: tuple[str, str] | None = None) -> list[int]:
-    """PIDs whose command line holds `needle` (and environment `env_var`)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if needle not in cmd:
-                continue
-            if env_var is not None:
-                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-                if f"{env_var[0]}={env_var[1]}".encode() not in environ:
-                    continue
-        except OSError:
-            continue
-        found.append(int(entry))
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-    out, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
+def _kill_hook(env: Env, case: Case, worker: threading.Thread, done: dict[str, Any],
+               others: Sequence[int] = ()) -> int:
+    """Once the slow call is in flight (and `others` are checkpointed),
+    SIGKILL the hook (or its group)."""
+    call, _ = STEPS[(case.phase, case.step)]
+    deadline = time.monotonic() + 60
+    while not _in_flight(env, call) or any(_sim_state(p) != "checkpointed" for p in others):
+        assert worker.is_alive(), done
+        assert time.monotonic() < deadline, "the slow call was never reached"
+        time.sleep(0.02)
+    # One action script runs the phase; CRIU may have started its duplicate
+    # call by now: both are killed.
+    hooks = _hooks(env, case.phase)
+    assert hooks, "no action script running"
+    for hook in hooks:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            if case.kill == "group":
+                pgid = os.getpgid(hook)
+                assert pgid != os.getpgid(0)  # runc runs in a session of its own here
+                os.killpg(pgid, signal.SIGKILL)
+            else:
+                os.kill(hook, signal.SIGKILL)
+    return hooks[0]
 
 
-@pytest.mark.parametrize("step", list(CASES))
-def test_action_script_sigkilled_during_pre_dump(make_env, tmp_path, step: str) -> None:  # type: ignore[no-untyped-def]
-    call, skip, others_at_kill, vmm = CASES[step]
-    env = make_env()
-    extra: dict[str, Any] = {}
-    workloads = WORKLOADS
-    if vmm:
-        extra["snapshot_control"] = tmp_path / "control"
-        extra["snapshot_control"].mkdir()
-        workloads = [(name, {**opts, "vmm": True}) for name, opts in WORKLOADS]
-    bundle = env.box.bundle("b1", workloads, others=["sleep 100000"], **extra)
-    cid = env.cid()
-    r = env.box.run(cid, bundle)
-    assert r.returncode == 0, r.stderr
-    env.wait_running(TAGS, steps=3)
-    found = workload_pids(env.lab, cid, TAGS)
-    assert all(found.values()), found
-    pids: dict[str, int] = {t: p for t, p in found.items() if p}
-    env.lab.fault(call, "hang", tag=VICTIM, times=1, **({"skip": skip} if skip else {}))
+def assert_calls_end(env: Env) -> None:
+    deadline = time.monotonic() + LEFT_S
+    while left := phase_calls(env):
+        assert time.monotonic() < deadline, f"driver calls outlived their hook: {left}"
+        time.sleep(0.05)
 
-    done: dict[str, Any] = {}
-    dump = threading.Thread(target=lambda: done.update(r=env.box.checkpoint(cid, tmp_path / "img")))
-    dump.start()
+
+# -- the node, its shared container and image -----------------------------------
+
+
+@dataclass
+class Box:
+    cid: str
+    bundle: Path
+    pids: dict[str, int]
+    image: Path | None = None
+    frozen: dict[str, int] | None = None
+
+
+class Node:
+    def __init__(self, env: Env, tmp: Path):
+        self.env = env
+        self.tmp = tmp
+        self.live: dict[str, Box] = {}
+        self.saved: Box | None = None
+        self.spoiled: list[str] = []  # containers of failed cases: deleted before the next
+        self.count = 0
+        env.box.own_session = True  # as a runtime runs runc: a group of its own
+        # CUDA 13.4+: `checkpointing` and `restoring` are reported meanwhile.
+        env.lab.set(transient_states=True)
+
+    def configure(self, backend: str) -> None:
+        cfg = yaml.safe_load(self.env.config.read_text())
+        cfg.update(DEADLINES, backend=backend)
+        self.env.config.write_text(yaml.safe_dump(cfg))
+
+    def start(self, workload: str = "plain") -> Box:
+        self.count += 1
+        extra: dict[str, Any] = {}
+        workloads = WORKLOADS
+        if workload == "vmm":
+            extra["snapshot_control"] = self.tmp / f"control-{self.count}"
+            extra["snapshot_control"].mkdir()
+            workloads = [(name, {**opts, "vmm": True}) for name, opts in WORKLOADS]
+        bundle = self.env.box.bundle(f"k{self.count}", workloads, others=["sleep 100000"],
+                                     **extra)
+        for t in TAGS:  # a tag is reused by a recreated container: fresh reports only
+            (self.env.lab.status_dir / f"{t}.json").unlink(missing_ok=True)
+        cid = self.env.cid()
+        r = self.env.box.run(cid, bundle)
+        assert r.returncode == 0, r.stderr
+        self.env.wait_running(TAGS, steps=3)
+        found = workload_pids(self.env.lab, cid, TAGS)
+        assert all(found.values()), found
+        return Box(cid, bundle, {t: p for t, p in found.items() if p})
+
+    def clean(self) -> None:
+        while self.spoiled:
+            self.env.box.delete(self.spoiled.pop())
+
+    def live_box(self, workload: str) -> Box:
+        self.clean()
+        for other in [w for w in self.live if w != workload]:  # same tags: one at a time
+            self.env.box.delete(self.live.pop(other).cid)
+        if workload not in self.live:
+            self.live[workload] = self.start(workload)
+        return self.live[workload]
+
+    def image_box(self) -> Box:
+        if self.saved is None:
+            for box in self.live.values():  # their workloads report under the same tags
+                self.env.box.delete(box.cid)
+            self.live.clear()
+            box = self.start()
+            box.image = self.tmp / "image"
+            r = self.env.box.checkpoint(box.cid, box.image)
+            assert r.returncode == 0, r.stderr
+            box.frozen = assert_dumped(self.env, box.cid, TAGS)
+            self.saved = box
+        return self.saved
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    tmp = tmp_path_factory.mktemp("kill")
+    env = Env(tmp / "env")
     try:
-        deadline = time.monotonic() + 60
-        while not _fault_hit(env):
-            assert dump.is_alive(), done
-            assert time.monotonic() < deadline, "the injected hang was never reached"
-            time.sleep(0.02)
-        # The others have reached the step's state (locks run all at once,
-        # checkpoints in parallel): wait for them, as the kill must find them.
-        others = [pids[t] for t in TAGS if t != VICTIM]
-        deadline = time.monotonic() + 30
-        while {_sim_state(p) for p in others} != others_at_kill:
-            assert time.monotonic() < deadline, {p: _sim_state(p) for p in others}
-            time.sleep(0.02)
-        hooks = _processes("cudahook.hooks.criu_action import main",
-                           ("CRTOOLS_SCRIPT_ACTION", "pre-dump"))
-        hooks = [p for p in hooks
-                 if f"CUDAHOOK_CONFIG={env.config}".encode()
-                 in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")]
-        assert len(hooks) == 1, hooks
-        # The hook, and with it its hung call (a cuda-checkpoint run, or the
-        # driver-API helper) - not the guardian, which runs in its own session.
-        calls = [p for p in _descendants(hooks[0])
-                 if "cudahook.hooks.guardian" not in _cmdline(p)]
-        _kill(hooks + calls)
+        yield Node(env, tmp)
     finally:
+        env.close()
+
+
+# -- the cases -------------------------------------------------------------------
+
+
+def _slow(env: Env, case: Case) -> None:
+    call, skip = STEPS[(case.phase, case.step)]
+    if call == "nvidia-smi":
+        env.lab.fault("nvidia-smi", "hang")
+    else:
+        env.lab.fault(call, "delay", seconds=DELAY_S, tag=VICTIM, times=1,
+                      **({"skip": skip} if skip else {}))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_kill(node: Node, case: Case, tmp_path: Path) -> None:
+    node.configure(case.backend)
+    if case.phase == "pre-dump":
+        _killed_checkpoint(node, case, tmp_path)
+    else:
+        _killed_restore(node, case)
+
+
+def _killed_checkpoint(node: Node, case: Case, tmp_path: Path) -> None:
+    env = node.env
+    box = node.live_box(case.workload)
+    del node.live[case.workload]  # until this case proves it healthy again
+    node.spoiled.append(box.cid)
+    vmm_calls = len(env.lab.vmm_calls())
+    _slow(env, case)
+    done: dict[str, Any] = {}
+    image = tmp_path / "img"
+    dump = threading.Thread(target=lambda: done.update(r=env.box.checkpoint(box.cid, image)))
+    dump.start()
+    # With VMM, the others are caught checkpointed (their mappings dropped):
+    # the replay below must then reach exactly them.
+    others = [box.pids[t] for t in TAGS if t != VICTIM] if case.workload == "vmm" else []
+    try:
+        _kill_hook(env, case, dump, done, others)
+        assert_calls_end(env)
+    finally:
+        env.lab.clear_faults()
         dump.join(120)
     assert not dump.is_alive()
-    assert done["r"].returncode != 0  # CRIU aborted: its action script failed
+    assert done["r"].returncode != 0  # the dump failed: its action script was killed
 
-    # The runtime lets the container run again: it runs, not frozen, and
-    # every CUDA process is back on its GPU, intact (the suite's shared
-    # failed-checkpoint outcome), still the same processes.
-    assert_running_and_intact(env, cid, TAGS)
-    assert workload_pids(env.lab, cid, TAGS) == pids
-    assert not any(Host().is_frozen(p) for p in pids.values())
-    assert not (tmp_path / "img" / manifest.NAME).exists()  # the hook died before it
-    # CRIU ran its duplicate pre-dump call all the same (CRIU 4.1.1): it
-    # touched nothing, seeing the first call had not finished.
-    assert any("stopped without finishing" in e.get("error", "")
-               for e in env.events("pre-dump")), env.events("pre-dump")
-    assert env.events("checkpoint") == []  # no checkpoint was ever recorded
-    if step == "discovery":
-        # Killed before anything was touched: no guardian was ever armed.
-        assert env.events("guardian") == []
-    else:
-        g = env.wait_event("guardian", lambda e: "outcome" in e or "error" in e, timeout=60)
-        assert "error" not in g, g
-        assert "resumed" in g["outcome"], g
-        moved = {pids[t] for t in TAGS if t != VICTIM}
-        if call != "lock":
-            moved.add(pids[VICTIM])  # locked (or checkpointed) when the hook died
-        assert set(g["pids"]) == moved, (pids, [e for e in env.events() if e["event"] != "guardian"])
-        assert "last step: locking and checkpointing" in g["run"], g
-    if vmm:
-        # The VMM prepare ran before the first lock; the guardian replayed
-        # its state into the processes it brought back from checkpointed
-        # (the victim was only locked: its mappings never left).
-        calls = env.lab.vmm_calls()
+    # The runtime lets the container run again: every CUDA process is back
+    # on its GPU, intact, still the same processes, not frozen.
+    assert_running_and_intact(env, box.cid, TAGS)
+    assert workload_pids(env.lab, box.cid, TAGS) == box.pids
+    assert not any(Host().is_frozen(p) for p in box.pids.values())
+    assert not (image / manifest.NAME).exists()  # the hook died before it
+    assert [e for e in env.events("checkpoint") if "error" not in e] == []
+    guardians = [e for e in env.events("guardian") if "error" in e or "unsafe" in e]
+    assert guardians == [], guardians
+    if case.workload == "vmm":
+        # The prepare ran before the first lock; the guardian replayed its
+        # state into the processes it brought back from checkpointed (the
+        # victim was only locked: its mappings never left).
+        calls = env.lab.vmm_calls()[vmm_calls:]
         assert [c["op"] for c in calls] == ["prepare", "restore"], calls
         assert sorted(p for p, _ in calls[1]["processes"]) == sorted(
-            pids[t] for t in TAGS if t != VICTIM)
+            box.pids[t] for t in TAGS if t != VICTIM)
+    node.live[case.workload] = box
+    node.spoiled.remove(box.cid)
+    # Each case reads its own events: the log starts afresh.
+    env.log_file.unlink(missing_ok=True)
 
-    # A retry once the fault is cleared checkpoints and restores.
-    env.lab.clear_faults()
-    image = tmp_path / "img2"
-    r = env.box.checkpoint(cid, image)
-    assert r.returncode == 0, r.stderr
-    data = manifest.read(image)
-    assert data is not None and sorted(p["pid"] for p in data["processes"]) == sorted(
-        pids.values())
-    frozen = env.frozen(cid, TAGS)
-    restore_and_check(env, cid, bundle, image, TAGS, frozen)
+
+def _killed_restore(node: Node, case: Case) -> None:
+    env = node.env
+    node.clean()
+    box = node.image_box()
+    assert box.image is not None and box.frozen is not None
+    before = image_hashes(box.image)
+    for t in TAGS:  # only the restored processes may report from here on
+        (env.lab.status_dir / f"{t}.json").unlink(missing_ok=True)
+    _slow(env, case)
+    done: dict[str, Any] = {}
+    cid = env.cid()  # each case restores a container of its own
+    node.spoiled.append(cid)
+    worker = threading.Thread(
+        target=lambda: done.update(r=env.box.restore(cid, box.bundle, box.image)))
+    worker.start()
+    try:
+        _kill_hook(env, case, worker, done)
+        assert_calls_end(env)
+    finally:
+        env.lab.clear_faults()
+        worker.join(120)
+    assert not worker.is_alive()
+    # Whatever runc said (CRIU only logs a post-resume failure), nothing of
+    # the container is left alive, and the image is as it was.
+    assert_nothing_restored(env, cid, box.image, before)
+    # A retry restores it, healthy, from the checkpoint. runc killed in the
+    # middle of a restore leaves its own record of the container behind (a
+    # mount it never undid): that is the runtime's to clean, so the retry
+    # then runs under a new container id.
+    if case.kill == "group":
+        env.box.delete(cid)
+        cid = env.cid()
+        node.spoiled.append(cid)
+    restore_and_check(env, cid, box.bundle, box.image, TAGS, box.frozen)
+    node.clean()
+    env.log_file.unlink(missing_ok=True)

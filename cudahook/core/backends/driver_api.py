@@ -7,6 +7,10 @@ cuInit once and serves every call of the phase, in parallel. A call that
 outlives its deadline gets the helper's process group killed, so a hung
 driver call fails that call (timed out, as the CLI backend's do) instead
 of hanging the hook; the next call starts a fresh helper for the rollback.
+The helper is started like every tool (platform/tools.py `spawn`): it dies
+with the hook (parent-death signal, forked by a thread that lasts as long
+as the hook, not by the engine worker that made the first call of the
+phase), and it carries the phase's name for the guardian's sweep.
 
 Errors carry the PID, the action and the CUresult, with the driver's own
 name and message (cuGetErrorName, cuGetErrorString), worded as
@@ -26,6 +30,7 @@ import threading
 from cudahook.platform.config import Settings
 from cudahook.platform.errors import EnvironmentProblem, ToolError
 from cudahook.platform.host import Host
+from cudahook.platform.tools import spawn
 
 from . import CHECKPOINTED, RUNNING, STATES, Features
 from .cli import driver_version
@@ -103,10 +108,11 @@ class _Helper:
     """One helper process: one driver attach, calls multiplexed by id."""
 
     def __init__(self, python: str, library: str, timeout: float):
-        self.proc = subprocess.Popen(
+        # Bound to the hook and named as its call (platform/tools.py): a
+        # helper never outlives the hook that started it.
+        self.proc = spawn(
             [python, "-I", "-S", HELPER, library], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-            close_fds=True,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
         )
         self.lock = threading.Lock()
         self.waiting: dict[int, tuple[threading.Event, list[dict]]] = {}
@@ -122,22 +128,45 @@ class _Helper:
             self.kill("driver initialisation failed")
 
     def _read(self) -> None:
+        """Hand each reply to its caller. Any line that is not a reply this
+        helper writes (not JSON, not an object, no known id) means its
+        output can no longer be trusted: the helper is killed at once and
+        every pending call fails with the reason, instead of waiting out
+        its deadline. Whatever happens here, the callers are woken."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if "ready" in msg:
-                self.hello = msg
-                self.ready.set()
-                continue
-            with self.lock:
-                entry = self.waiting.pop(msg.get("id"), None)
-            if entry:
-                entry[1].append(msg)
-                entry[0].set()
-        self._fail_all("the driver helper exited")
+        why = "the driver helper exited"
+        try:
+            for line in self.proc.stdout:
+                problem = self._take(line)
+                if problem:
+                    why = f"the driver helper wrote an unexpected line ({problem}): " \
+                          f"{line[:80]!r}"
+                    break
+        except Exception as exc:  # a reader that dies silently would strand every call
+            why = f"reading the driver helper failed: {type(exc).__name__}: {exc}"
+        if why != "the driver helper exited":
+            self.kill(why)
+        self._fail_all(why)
+
+    def _take(self, line: bytes) -> str | None:
+        """Deliver one line; what is wrong with it, if anything."""
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return "not JSON"
+        if not isinstance(msg, dict):
+            return f"JSON {type(msg).__name__}, not an object"
+        if "ready" in msg:
+            self.hello = msg
+            self.ready.set()
+            return None
+        with self.lock:
+            entry = self.waiting.pop(msg.get("id"), None)  # type: ignore[arg-type]
+        if entry is None:
+            return "a reply to no pending call"
+        entry[1].append(msg)
+        entry[0].set()
+        return None
 
     def _fail_all(self, why: str) -> None:
         with self.lock:

@@ -393,6 +393,7 @@ typedef struct {
     int has_pid, has_tag, has_times, has_message, has_skip, after;
     long times, skip;
     long code;
+    double seconds; /* delay: how long the call waits before it is carried out */
 } Rule;
 
 
@@ -429,6 +430,7 @@ static int parse_rules(const char *text, Rule *rules) {
         r->skip = (long)json_get_number(obj, "skip", 0);
         r->after = json_get_bool(obj, "after");
         r->code = (long)json_get_number(obj, "code", CUDA_ERROR_UNKNOWN);
+        r->seconds = json_get_number(obj, "seconds", 0);
         p = skip_ws(end + 1);
         if (*p == ',')
             p++;
@@ -475,6 +477,8 @@ static void write_rules(int fd, const Rule *rules, int count) {
         if (r->after)
             fputs(", \"after\": true", f);
         fprintf(f, ", \"code\": %ld", r->code);
+        if (r->seconds > 0)
+            fprintf(f, ", \"seconds\": %g", r->seconds);
         if (r->has_message) {
             fputs(", \"message\": ", f);
             put_string(f, r->message);
@@ -550,6 +554,10 @@ static CUresult inject_fault(int pid, const char *op) {
     if (strcmp(hit.mode, "hang") == 0)
         for (;;)
             sleep(3600);
+    if (strcmp(hit.mode, "delay") == 0) { /* slow, then carried out as asked */
+        sleep_s(hit.seconds);
+        return CUDA_SUCCESS;
+    }
     if (strcmp(hit.mode, "crash") == 0) { /* the target dies */
         kill(pid, SIGKILL);
         return CUDA_ERROR_UNKNOWN;
