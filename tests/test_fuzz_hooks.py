@@ -16,14 +16,18 @@ hundred go through the installed shell hooks as the runtimes and CRIU start them
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import resource
+import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import time
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,7 @@ from cudahook.vmm import coordinator as vmm
 EXITS = {0, 1, 2, 3, 4, 5, 6}
 MEMORY_LIMIT = 2 << 30  # address space of the worker and of each hook process
 SLOW_S = 8.0  # no call may take longer (the longest deadline cudahook has is 10 s)
+HANG_S = 2 * SLOW_S  # past this a call is a hang: the worker is killed and the case fails
 WORKER = Path(__file__).with_name("fuzz_worker.py")
 SCRUBBED = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 # Written by cudahook, relative to the node root; everything else must stay as it was.
@@ -61,23 +66,48 @@ def fuzz(env: str, default: int) -> settings:
 
 
 class Worker:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), str(MEMORY_LIMIT)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     cwd="/")
+    """The in-process worker; a call that outlives its deadline kills it (and
+    everything it started) and comes back as a hang, and the next call starts
+    a fresh one."""
 
-    def call(self, case: dict[str, Any]) -> dict[str, Any]:
+    def __init__(self) -> None:
+        self.proc = self._start()
+
+    @staticmethod
+    def _start() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, str(WORKER), str(MEMORY_LIMIT)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                cwd="/", start_new_session=True)
+
+    def call(self, case: dict[str, Any], timeout: float = HANG_S) -> dict[str, Any]:
+        if self.proc.poll() is not None:
+            self.proc = self._start()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps(case) + "\n")
         self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.kill()
+            return {"rc": None, "stderr": "", "stdout": "", "seconds": timeout, "raised": None,
+                    "refused": [], "hang": True}
         line = self.proc.stdout.readline()
         assert line, f"the worker died (exit {self.proc.wait()}) on {case}"
         return json.loads(line)  # type: ignore[no-any-return]
 
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def close(self) -> None:
+        if self.proc.poll() is not None:
+            return
         if self.proc.stdin:
             self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
 
 
 class Sleeper:
@@ -148,7 +178,17 @@ def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
     return seen
 
 
+# Never on a terminal from cudahook: C0/C1 controls, format characters (bidi
+# overrides), line and paragraph separators, lone surrogates. "\n" ends a line.
+UNSAFE_CATEGORIES = {"Cc", "Cf", "Zl", "Zp", "Cs"}
+
+
+def unsafe_chars(text: str) -> list[str]:
+    return [repr(c) for c in text if c != "\n" and unicodedata.category(c) in UNSAFE_CATEGORIES]
+
+
 def check(result: dict[str, Any], case: str) -> None:
+    assert not result.get("hang"), f"no answer within {HANG_S}s: {case}"
     assert result["raised"] is None, f"{case}\n{result['raised']}"
     rc, err = result["rc"], result["stderr"]
     assert rc in EXITS, (rc, err, case)
@@ -158,6 +198,7 @@ def check(result: dict[str, Any], case: str) -> None:
     else:
         assert err.count("\n") == 1 and err.endswith("\n") and err.startswith("cudahook"), \
             (rc, err, case)
+    assert not unsafe_chars(err + result.get("stdout", "")), (err, result.get("stdout"), case)
     assert result["seconds"] < SLOW_S, (result["seconds"], case)
     assert not result.get("refused"), (result["refused"], case)
 
@@ -549,3 +590,26 @@ def test_fuzz_installed_action_script(installed: dict[str, Path], sleeper: Sleep
     check(result, repr(case)[:3000])
     assert snapshot(root) == before, case
     shutil.rmtree(root)
+
+
+# -- the harness's own guard ----------------------------------------------------------------------
+
+
+def test_signal_guard_catches_a_pidfd_kill_of_a_wrong_process(worker: Worker) -> None:
+    """cudahook kills through a pidfd (containers.kill_same): the guard sees
+    that path too, reports it, and the process lives; offered as the
+    container's, the same call kills it."""
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        case = {"hook": "kill_same", "pid": victim.pid, "argv": [], "env": SCRUBBED, "cwd": "/",
+                "stdin": ""}
+        result = worker.call({**case, "killable": []})
+        assert result["refused"] == [f"pidfd_send_signal(pid {victim.pid}, 9)"], result
+        time.sleep(0.1)
+        assert victim.poll() is None
+        result = worker.call({**case, "killable": [victim.pid]})
+        assert result["rc"] == 1 and not result["refused"], result
+        assert victim.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        victim.kill()
+        victim.wait()
