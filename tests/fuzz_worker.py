@@ -23,6 +23,7 @@ import os
 import resource
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -116,8 +117,15 @@ def main() -> int:
         refused.clear()
         os.environ.clear()
         os.environ.update(case["env"])
+        tempfile.tempdir = None  # read from $TMPDIR again, as a new process would
         os.chdir(case["cwd"])
         sys.stdin = io.TextIOWrapper(io.BytesIO(base64.b64decode(case["stdin"])))
+        # "pipe": fd 0 is a pipe nobody writes to (what /proc/self/fd/0 blocks on).
+        writer = None
+        if case.get("fd0") == "pipe":
+            reader, writer = os.pipe()
+            os.dup2(reader, 0)
+            os.close(reader)
         err, stdout = io.StringIO(), io.StringIO()
         sys.stderr, sys.stdout = err, stdout
         raised, execs = None, None
@@ -133,6 +141,11 @@ def main() -> int:
             raised = traceback.format_exc()
         took = time.monotonic() - t0
         sys.stderr, sys.stdout = sys.__stderr__, sys.__stdout__
+        if writer is not None:
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)
+            os.close(null)
+            os.close(writer)
         os.chdir(home)
         out.write(json.dumps({"rc": rc, "stderr": err.getvalue(), "stdout": stdout.getvalue(),
                               "seconds": took, "raised": raised, "refused": list(refused),

@@ -28,12 +28,13 @@ import subprocess
 import sys
 import time
 import unicodedata
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cudahook.admin import hookfiles
@@ -55,11 +56,85 @@ U0 = "GPU-11111111-2222-3333-4444-555555555555"
 
 
 def fuzz(env: str, default: int) -> settings:
-    """Hypothesis settings for `default` examples ($CUDAHOOK_FUZZ_* overrides)."""
+    """Hypothesis settings for `default` examples ($CUDAHOOK_FUZZ_* overrides).
+
+    No shrinking unless $CUDAHOOK_FUZZ_SHRINK is set: a failing case is
+    printed whole, and a hang found in CI costs one deadline, not one per
+    shrinking step."""
+    phases = list(Phase) if os.environ.get("CUDAHOOK_FUZZ_SHRINK") else [
+        Phase.explicit, Phase.generate]
     return settings(max_examples=int(os.environ.get(env, default)), deadline=None,
-                    database=None,
+                    database=None, phases=phases,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.function_scoped_fixture])
+
+
+# -- what the run did, per surface: printed at the end of the session ---------------------------
+
+
+STATS: dict[str, Counter[str]] = defaultdict(Counter)
+DURATIONS: dict[str, float] = {}
+
+
+def tally(surface: str, result: dict[str, Any]) -> None:
+    """Count one example of `surface` by its outcome."""
+    if result.get("hang"):
+        outcome = "hang"
+    elif result.get("raised"):
+        outcome = "traceback"
+    else:
+        outcome = f"exit {result.get('rc')}"
+    STATS[surface][outcome] += 1
+    STATS[surface]["examples"] += 1
+
+
+EXPLORE = os.environ.get("CUDAHOOK_FUZZ_EXPLORE")
+
+
+@contextlib.contextmanager
+def verdict(surface: str) -> Iterator[None]:
+    """The checks of one example of `surface`. With $CUDAHOOK_FUZZ_EXPLORE
+    (a file), a failed check is appended there and the run goes on: how a
+    fuzzing session collects every distinct finding, not only the first."""
+    try:
+        yield
+    except AssertionError as exc:
+        STATS[surface]["failed"] += 1
+        if not EXPLORE:
+            raise
+        with open(EXPLORE, "a") as f:
+            f.write(json.dumps({"surface": surface, "failure": str(exc)[:4000]}) + "\n")
+
+
+class FuzzSummary:
+    """Examples and outcomes per surface, and each fuzz test's time, in the
+    terminal summary (with or without -s) and in $CUDAHOOK_FUZZ_REPORT."""
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" and "fuzz" in report.nodeid:
+            DURATIONS[report.nodeid] = report.duration
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not STATS:
+            return
+        terminalreporter.section("cudahook fuzz: examples per surface")
+        for surface, counts in sorted(STATS.items()):
+            outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())
+                                 if k != "examples")
+            terminalreporter.write_line(f"{surface}: {counts['examples']} examples ({outcomes})")
+        for nodeid, seconds in sorted(DURATIONS.items()):
+            terminalreporter.write_line(f"{nodeid}: {seconds:.1f}s")
+        out = os.environ.get("CUDAHOOK_FUZZ_REPORT")
+        if out:
+            Path(out).write_text(json.dumps({"surfaces": STATS, "seconds": DURATIONS}, indent=1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fuzz_summary(request: pytest.FixtureRequest) -> None:
+    manager = request.config.pluginmanager
+    if not manager.has_plugin("cudahook-fuzz-summary"):
+        plugin = FuzzSummary()
+        manager.register(plugin, "cudahook-fuzz-summary")
 
 
 # -- the harness ------------------------------------------------------------------------------
@@ -158,14 +233,14 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fuzz")
 
 
-def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
-    """Every path under root outside ALLOWED, as lstat sees it."""
+def snapshot(root: Path, allowed: tuple[str, ...] = ALLOWED) -> dict[str, tuple[Any, ...]]:
+    """Every path under root outside `allowed`, as lstat sees it."""
     seen: dict[str, tuple[Any, ...]] = {}
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
             p = Path(dirpath, name)
             rel = str(p.relative_to(root))
-            if any(rel == a or rel.startswith(a + "/") for a in ALLOWED):
+            if any(rel == a or rel.startswith(a + "/") for a in allowed):
                 continue
             st_ = p.lstat()
             kind = stat.S_IFMT(st_.st_mode)
@@ -423,6 +498,7 @@ def test_fuzz_oci_hook_in_process(worker: Worker, sleeper: Sleeper, dead: int, b
     result = worker.call({"hook": "oci", "argv": case["argv"], "env": env_for(root),
                           "cwd": str(root),
                           "stdin": base64.b64encode(oci_stdin(case, bundle, pid, dead)).decode()})
+    tally("oci hook", result)
     check(result, repr(case)[:3000])
     assert snapshot(root) == before, case
     shutil.rmtree(root)
@@ -530,6 +606,7 @@ def test_fuzz_criu_action_in_process(worker: Worker, sleeper: Sleeper, dead: int
     before = snapshot(root)
     result = worker.call({"hook": "criu", "argv": [], "env": env, "cwd": str(root),
                           "stdin": "", "killable": [pid]})
+    tally("criu action", result)
     check(result, repr(case)[:3000])
     assert snapshot(root) == before, case
     shutil.rmtree(root)
@@ -555,10 +632,15 @@ def limit_memory() -> None:
 def run_installed(argv: list[str], env: dict[str, str], data: bytes,
                   cwd: Path) -> dict[str, Any]:
     t0 = time.monotonic()
-    r = subprocess.run(argv, input=data, env=env, cwd=cwd, capture_output=True,
-                       timeout=SLOW_S * 2, preexec_fn=limit_memory)
+    try:
+        r = subprocess.run(argv, input=data, env=env, cwd=cwd, capture_output=True,
+                           timeout=HANG_S, preexec_fn=limit_memory)
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "stderr": "", "stdout": "", "seconds": HANG_S, "raised": None,
+                "hang": True}
     return {"rc": r.returncode, "stderr": r.stderr.decode("utf-8", "replace"),
-            "seconds": time.monotonic() - t0, "raised": None}
+            "stdout": r.stdout.decode("utf-8", "replace"), "seconds": time.monotonic() - t0,
+            "raised": None}
 
 
 @fuzz("CUDAHOOK_FUZZ_SHELL", 200)
@@ -571,6 +653,7 @@ def test_fuzz_installed_oci_hook(installed: dict[str, Path], sleeper: Sleeper, d
     before = snapshot(root)
     argv = [str(installed["cudahook-oci-hook"]), *[a.replace("\x00", "") for a in case["argv"]]]
     result = run_installed(argv, env_for(root), oci_stdin(case, bundle, pid, dead), root)
+    tally("oci hook (installed)", result)
     check(result, repr(case)[:3000])
     assert snapshot(root) == before, case
     shutil.rmtree(root)
@@ -587,6 +670,7 @@ def test_fuzz_installed_action_script(installed: dict[str, Path], sleeper: Sleep
     env = {k: v.replace("\x00", "") for k, v in env.items()}
     before = snapshot(root)
     result = run_installed([str(installed["cudahook-criu-action"])], env, b"", root)
+    tally("criu action (installed)", result)
     check(result, repr(case)[:3000])
     assert snapshot(root) == before, case
     shutil.rmtree(root)
