@@ -1,11 +1,12 @@
 # cudahook's shell fast paths, one definition for the three hook executables
 # (sourced by the templates in hooks/, copied into each installed hook by
-# cudahook.hookfiles). Each test answers "no" (status 1) only when it is
+# cudahook.admin.hookfiles). Each test answers "no" (status 1) only when it is
 # certain that Python would answer "no" as well; anything it cannot decide -
 # an odd file type, a size past the cap, an escape, an unusual character -
 # answers "maybe" (status 0), and Python decides.
 
-# Python's caps (cudahook.oci.MAX_STATE, MAX_CONFIG): beyond them, Python refuses.
+# Python's caps (cudahook.hooks.oci_state.MAX_STATE, cudahook.hooks.oci_bundle.MAX_CONFIG):
+# beyond them, Python refuses.
 CUDAHOOK_MAX_STATE=1048576
 CUDAHOOK_MAX_CONFIG=4194304
 # The shell reads fields only from a state this small; a larger one goes to Python.
@@ -16,8 +17,8 @@ CUDAHOOK_PROC=${CUDAHOOK_PROC_ROOT:-/proc}
 CUDAHOOK_CGROUP=${CUDAHOOK_CGROUP_ROOT:-/sys/fs/cgroup}
 
 # May the bundle's config.json ($1/config.json) make a GPU container, or
-# carry cudahook's annotations? Python (cudahook.oci) answers "yes" only for
-# files holding one of cudahook.oci.GPU_MARKERS in their raw text; a \u or
+# carry cudahook's annotations? Python (cudahook.hooks.oci_bundle) answers "yes"
+# only for files holding one of its GPU_MARKERS in their raw text; a \u or
 # \/ escape could spell one in disguise. Not a regular file (a symlink, a
 # FIFO, a directory, a device) or larger than the cap: Python's to refuse.
 config_may_want_gpu() {
@@ -88,7 +89,7 @@ device_pattern_is_default() {
 # May a process of the container whose init is $1 hold an NVIDIA device
 # node open? The container's cgroup lists its processes, and each open fd is
 # compared with the device nodes as that process sees them (bind-mounted or
-# created in the container alike). Python (cudahook.discovery) counts fds
+# created in the container alike). Python (cudahook.core.discovery) counts fds
 # whose path matches device_pattern: with the default (see above) that is a
 # /dev/nvidia* node. Anything unusual answers "maybe".
 may_hold_gpu() {

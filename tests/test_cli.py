@@ -178,3 +178,160 @@ def test_checkpoint_and_restore_wait_for_a_live_guardian_of_the_container(
     assert engine.read_state(a) == ("checkpointed" if cmd == "checkpoint" else "running")
     if cmd == "checkpoint":
         engine.restore([a])
+
+
+# -- one_line_errors: every failure one escaped line, with a documented exit code ----------
+
+
+def _archive(tmp_path, members: dict[str, bytes], name: str = "ckpt.tar.gz"):  # type: ignore[no-untyped-def]
+    import io
+    import tarfile
+
+    path = tmp_path / name
+    with tarfile.open(path, "w:gz") as tar:
+        for member, data in members.items():
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _plain_config(tmp_path) -> str:  # type: ignore[no-untyped-def]
+    path = tmp_path / "config.yaml"
+    path.write_text(f"state_dir: {tmp_path}/state\nlog_file: {tmp_path}/cudahook.log\n")
+    return str(path)
+
+
+def test_one_line_errors__an_unexpected_exception_is_one_line_and_logged(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = _plain_config(tmp_path)
+    # A bug stands in as a command whose code raises what no one expects.
+    code = ("import sys\nfrom cudahook.admin import cli, status\n"
+            "def bug(*args, **kw):\n    raise KeyError('\\x1b[2J')\n"
+            "status.gather = bug\n"
+            f"sys.exit(cli.main(['--config', {cfg!r}, 'status', '--no-live']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    one_line_error(r, 1, "internal error: KeyError")
+    assert "\x1b" not in r.stderr and "\\x1b[2J" in r.stderr
+    logged = [json.loads(line) for line in (tmp_path / "cudahook.log").read_text().splitlines()]
+    assert any(e["event"] == "internal-error" and "Traceback" in e["traceback"] for e in logged)
+
+
+def test_one_line_errors__check_image_with_a_long_name_is_2(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    one_line_error(cli("check", "--image", "x" * 300, config=_plain_config(tmp_path)), 2,
+                   "not a directory")
+    for where in ("x" * 300, str(tmp_path / "none")):
+        one_line_error(cli("status", "--manifest", where, config=_plain_config(tmp_path)), 2,
+                       "not a directory")
+
+
+def test_one_line_errors__invalid_utf8_in_config_is_3(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "c.yaml"
+    bad.write_bytes(b"state_dir: /run/\xff\n")
+    one_line_error(cli("status", "--no-live", config=str(bad)), 3, "not UTF-8")
+
+
+def test_one_line_errors__restore_pid_0_is_bad_input(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for args in (["restore", "--pid", "0"], ["checkpoint", "--init-pid", "-1"],
+                 ["state", "--pid", "99999999"], ["discover", "--init-pid", "0"]):
+        one_line_error(cli(*args, config=_plain_config(tmp_path)), 2, "not a PID")
+
+
+def test_one_line_errors__an_empty_archive_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    empty = tmp_path / "empty.tar"
+    empty.write_bytes(b"")
+    one_line_error(cli("migrate", "restore", str(empty), "--no-verify", "--podman", "/bin/false",
+                       config=_plain_config(tmp_path)), 2, "not a complete checkpoint archive")
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "\x1b]0;pwned\x07\x1b[2J", "x" * 300, "-rm"])
+def test_one_line_errors__a_container_name_from_an_archive_is_refused_escaped(
+        tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
+    a = _archive(tmp_path, {"spec.dump": b"{}",
+                            "config.dump": json.dumps({"name": name}).encode()})
+    r = cli("migrate", "restore", str(a), "--no-verify", "--dry-run", "--podman", "/bin/false",
+            config=_plain_config(tmp_path))
+    one_line_error(r, 2, "not a container name")
+    assert "\x1b" not in r.stderr + r.stdout and "\x00" not in r.stderr
+
+
+@pytest.mark.parametrize("spec", [b'{"process": 5}', b'{"process": {"env": [1, 2]}}',
+                                  b'{"process": {"env": "PATH=/bin"}}',
+                                  b"[" * 100000 + b"]" * 100000, b"\xff\xfe"])
+def test_one_line_errors__a_malformed_spec_in_an_archive_is_2(spec: bytes) -> None:
+    from cudahook.admin import migrate
+    from cudahook.platform.errors import CudahookError
+
+    config = json.dumps({"name": "c", "spec": {"process": {"env": []}}}).encode()
+    with pytest.raises(CudahookError) as exc:
+        migrate.retarget({"spec.dump": spec, "config.dump": config},
+                         ["GPU-11111111-2222-3333-4444-555555555555"])
+    assert exc.value.exit_code == 2 and "\n" not in str(exc.value)
+
+
+def test_one_line_errors__untrusted_strings_in_output_are_escaped(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.core import manifest
+
+    image = tmp_path / "img\x1b]0;pwned\x07"
+    image.mkdir()
+    r = cli("status", "--manifest", str(image), config=_plain_config(tmp_path))
+    assert r.returncode == 0 and "\x1b" not in r.stdout and "\\x1b]0;pwned\\x07" in r.stdout
+    manifest.write(image, {"container_id": "c1", "processes": [{"nspid": 7}],
+                           "timeline": {"steps": [{"pid": 7, "step": "lock", "start": 0,
+                                                   "end": 1, "error": "\x1b[2J"}]}})
+    r = cli("status", "--manifest", str(image), config=_plain_config(tmp_path))
+    assert r.returncode == 0 and "\x1b" not in r.stdout, r
+    # A manifest holding escapes where a name goes is refused, in one escaped line.
+    raw = json.loads((image / manifest.NAME).read_text())
+    raw["container_id"] = "\x1b]0;pwned\x07\x1b[2J"
+    (image / manifest.NAME).write_text(json.dumps(raw))
+    r = cli("status", "--manifest", str(image), config=_plain_config(tmp_path))
+    one_line_error(r, 2, "container_id")
+    assert "\x1b" not in r.stderr + r.stdout
+
+
+def test_one_line_errors__status_escapes_what_the_state_holds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.platform.store import Store
+
+    cfg = _plain_config(tmp_path)
+    store = Store(tmp_path / "state")
+    store.save("c1", {"id": "c1", "pid": 0, "visible": ["GPU-\x1b[2J"]})
+    store.remember("c1", "checkpoint", {"ok": False, "error": "boom \x1b]0;pwned\x07",
+                                        "time": 1.0})
+    r = cli("status", "--no-live", config=cfg)
+    assert r.returncode == 0, r
+    assert "\x1b" not in r.stdout and "\\x1b]0;pwned\\x07" in r.stdout and "\\x1b[2J" in r.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["status", "\x1b]0;owned\x07"], ["--config", "\u202e", "gpus"], ["gpus", "--config", "x\ny"],
+    ["check", "--image", "p\x9b"], ["migrate", "restore", "\u202e\u2066"],
+])
+def test_one_line_errors__arguments_are_escaped_in_errors(args: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "cudahook", *args], capture_output=True,
+                       timeout=60)
+    err = r.stderr.decode("utf-8", "surrogateescape")
+    assert r.returncode in (2, 3) and err.count("\n") == 1 and err.startswith("cudahook: "), err
+    assert err[:-1].isprintable(), err
+    assert not any(c in err for c in "\x1b\x07\u202e\u2066\x9b")
+
+
+def test_one_line_errors__another_users_process_is_one_line_exit_5() -> None:
+    # As an unprivileged user: /proc/1/ns/pid cannot be read. A directory
+    # that user can reach (pytest's own is root's, 0700).
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="cudahook-nobody-", dir="/tmp"))
+    try:
+        root.chmod(0o777)
+        cfg = _plain_config(root)
+        Path(cfg).chmod(0o644)
+        code = ("import os, sys\nos.setgroups([])\nos.setgid(65534)\nos.setuid(65534)\n"
+                "from cudahook.admin import cli\n"
+                f"sys.exit(cli.main(['--config', {cfg!r}, 'discover', '--init-pid', '1']))\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, env={"PATH": "/usr/bin:/bin", "CUDAHOOK_ROOT": str(root)})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    one_line_error(r, 5, "need root")

@@ -87,3 +87,112 @@ def test_the_cache_stays_small(tmp_path: Path, monkeypatch) -> None:  # type: ig
     kept = json.loads(configcache.cache_path().read_text())
     assert len(kept) == configcache.CACHE_ENTRIES
     assert str(files[-1].resolve()) in kept and str(files[0].resolve()) not in kept
+
+
+# -- config_fails_cleanly: whatever the file holds, exit 3 in bounded time and memory ------
+
+
+def _cli(config_path: str, timeout: float = 30.0) -> tuple[int, str, float, int]:
+    """`cudahook status --no-live` on the file: (exit, stderr, seconds, peak RSS in KiB),
+    in a child whose address space is capped at 1 GiB."""
+    import resource
+    import subprocess
+    import sys
+    import time
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "cudahook", "--config", config_path, "status",
+                        "--no-live"], capture_output=True, text=True, timeout=timeout,
+                       preexec_fn=cap)
+    took = time.monotonic() - start
+    return r.returncode, r.stderr, took, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+
+
+def _alias_bomb() -> str:
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 11)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(("case", "content", "words"), [
+    ("alias_bomb", _alias_bomb(), "anchors and aliases are not allowed"),
+    ("alias_in_a_value", "x: &a 5\nmax_parallel: *a\n", "anchors and aliases"),
+    ("nan", "call_timeout_s: .nan\n", "call_timeout_s: not a finite number"),
+    ("inf", "vmm_timeout_s: .inf\n", "vmm_timeout_s: not a finite number"),
+    ("negative_inf", "guardian_wait_s: -.inf\n", "guardian_wait_s: not a finite number"),
+    ("huge_integer", "max_parallel: " + "9" * 5000 + "\n", "too many digits"),
+    ("large_integer", "lock_timeout_ms: " + "9" * 4000 + "\n", "lock_timeout_ms"),
+    ("huge_float", "call_timeout_s: 1e300\n", "call_timeout_s"),
+    ("invalid_utf8", b"state_dir: /run/\xff\xfe\n", "not UTF-8"),
+    ("deep", "[" * 100000 + "]" * 100000 + "\n", ""),
+    ("wrong_type", "sequential: [1, 2]\n", "sequential"),
+    ("empty_tagged_float", "max_parallel: !!float \n", "YAML cannot read"),
+    ("bad_timestamp", "call_timeout_s: !!timestamp 2001-13-45\n", "YAML cannot read"),
+    ("nul_in_a_path", 'state_dir: "/run/a\\0b"\n', "state_dir"),
+    ("escape_in_a_path", 'log_file: "/var/log/\\e]0;x\\a"\n', "log_file"),
+    ("escape_in_a_key", "\"\\e]0;pwned\\a\": 1\n", "Additional properties"),
+])
+def test_config_fails_cleanly__bad_content(tmp_path: Path, case: str, content: str | bytes,
+                                           words: str) -> None:
+    f = tmp_path / "config.yaml"
+    if isinstance(content, bytes):
+        f.write_bytes(content)
+    else:
+        f.write_text(content)
+    code, err, took, _rss = _cli(str(f))
+    assert code == 3, err
+    assert err.count("\n") == 1 and err.startswith("cudahook: ") and words in err, err
+    assert err.isprintable() or err[:-1].isprintable(), err
+    assert "Traceback" not in err and took < 10, (case, took)
+
+
+@pytest.mark.parametrize("kind", ["dev_zero", "fifo", "directory", "too_large"])
+def test_config_fails_cleanly__not_a_config_file(tmp_path: Path, kind: str) -> None:
+    import os
+
+    f = tmp_path / "config.yaml"
+    if kind == "dev_zero":
+        f = Path("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "directory":
+        f.mkdir()
+    else:
+        f.write_text("# padding\n" * (200 << 10))
+    code, err, took, _rss = _cli(str(f))
+    assert code == 3 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert took < 10
+
+
+def test_config_fails_cleanly__a_symlinked_file_is_followed(tmp_path: Path) -> None:
+    # A Kubernetes ConfigMap mount is a chain of symlinks: the operator's own.
+    real = tmp_path / "data" / "config.yaml"
+    real.parent.mkdir()
+    real.write_text("max_parallel: 7\n")
+    link = tmp_path / "config.yaml"
+    link.symlink_to(real)
+    assert config.load(link).max_parallel == 7
+
+
+def test_config_fails_cleanly__the_alias_bomb_in_bounded_memory(tmp_path: Path) -> None:
+    f = tmp_path / "config.yaml"
+    f.write_text(_alias_bomb())
+    code, err, took, rss = _cli(str(f))
+    assert code == 3 and "aliases" in err
+    assert took < 10 and rss < 300 << 10, (took, rss)
+
+
+def test_config_fails_cleanly__a_nan_cached_by_an_older_version_is_not_taken(
+        tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("CUDAHOOK_ROOT", str(tmp_path))
+    f = tmp_path / "c.yaml"
+    f.write_text("call_timeout_s: .nan\n")
+    # What a version without the check cached for this very file.
+    key, _ = configcache.lookup(f)
+    configcache.remember(f, key, {**Settings().as_dict(), "call_timeout_s": float("nan")})
+    assert "NaN" in configcache.cache_path().read_text()
+    with pytest.raises(ConfigError, match="not a finite number"):
+        config.load(f)

@@ -280,3 +280,120 @@ def test_rollbacks_and_fail_closed_kills_are_counted(node: Node, tmp_path: Path)
     assert value(found, "cudahook_fail_closed_kills_total", container="job-9") == 1
     assert value(found, "cudahook_restores_total", container="job-9", outcome="failed") == 1
     assert value(found, "cudahook_checkpoints_total", container="job-9", outcome="ok") == 1
+
+
+# -- untrusted labels: a manifest's container id and GPU model --------------------------
+
+
+def _settings(tmp_path: Path) -> Settings:
+    return Settings(state_dir=str(tmp_path / "state"), log_file=str(tmp_path / "log"),
+                    metrics_file=str(tmp_path / "collector" / "cudahook.prom"))
+
+
+def _count(settings: Settings, cid: str, model: str | None = "H100", now: float = 1000.0) -> bool:
+    return metrics.update(settings, metrics.Changes(cid, model).inc(
+        "cudahook_checkpoints_total", outcome="ok"), now=now)
+
+
+def test_untrusted_strings_bounded__a_lone_surrogate_never_freezes_the_metrics_file(
+        tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    prom = Path(s.metrics_file)  # type: ignore[arg-type]
+    assert _count(s, "bad\ud800id", "GPU \udcff model")
+    assert _count(s, "good")
+    found = samples(prom)
+    assert value(found, "cudahook_checkpoints_total", container="good", gpu_model="H100") == 1
+    assert value(found, "cudahook_checkpoints_total", container="bad\ufffdid") == 1
+    prom.read_bytes().decode("utf-8")  # strictly valid UTF-8
+    # A state left by an earlier version, holding a surrogate, heals at the next event.
+    state = Path(s.state_dir) / metrics.STATE_NAME
+    data = json.loads(state.read_text())
+    data["series"][0][2]["gpu_model"] = "\udc80"
+    state.write_text(json.dumps(data))
+    assert _count(s, "good", now=1001.0)
+    assert value(samples(prom), "cudahook_checkpoints_total", container="good",
+                 gpu_model="H100") == 2
+
+
+def test_untrusted_strings_bounded__a_huge_model_name_costs_no_other_container(
+        tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    state = Path(s.state_dir) / metrics.STATE_NAME
+    assert _count(s, "a")
+    _count(s, "b", "X" * (2 << 20))
+    _count(s, "c" * 4000, "Y" * 1000)
+    assert state.stat().st_size < 64 << 10
+    assert _count(s, "a", now=1001.0)
+    found = samples(Path(s.metrics_file))  # type: ignore[arg-type]
+    assert value(found, "cudahook_checkpoints_total", container="a") == 2
+    labels = [dict(ls) for (_, ls) in found]
+    assert max(len(v) for ls in labels for v in ls.values()) <= metrics.MAX_LABEL
+
+
+def test_untrusted_strings_bounded__an_event_past_the_cap_is_dropped_alone(
+        tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    state = Path(s.state_dir) / metrics.STATE_NAME
+    assert _count(s, "first")
+    dropped = None
+    for i in range(200):  # each event as large as one may be: MAX_OPS refusal codes
+        c = metrics.Changes(f"big{i}", "M" * 1000)
+        for n in range(metrics.MAX_OPS + 50):
+            c.inc("cudahook_refusals_total", side="restore", reason=f"{n:04d}" + "R" * 200)
+        if not metrics.update(s, c, now=1000.0 + i):
+            dropped = i
+            break
+    assert dropped is not None and dropped > 1
+    assert state.stat().st_size <= 1 << 20
+    # The event that did not fit left a line in the log, and everyone else's series.
+    assert any(json.loads(line).get("event") == "metrics" and "big" in line
+               for line in Path(s.log_file).read_text().splitlines())
+    assert _count(s, "first", now=2000.0) is not None
+    found = samples(Path(s.metrics_file))  # type: ignore[arg-type]
+    assert value(found, "cudahook_checkpoints_total", container="first") == 2
+    assert value(found, "cudahook_refusals_total", container=f"big{dropped - 1}",
+                 reason="0000" + "R" * 200) == 1
+
+
+def test_untrusted_strings_bounded__a_hostile_manifest_at_post_restore_costs_no_other_container(
+        node: Node, tmp_path: Path) -> None:
+    """Through the installed action script: a manifest whose GPU model is
+    2 MiB (or holds a lone surrogate) is refused, and the counters every
+    other container had are still there at the next event."""
+    script = install(tmp_path, node)
+    settings = node.settings()
+    assert metrics.update(settings, metrics.Changes("other", "H100").inc(
+        "cudahook_checkpoints_total", outcome="ok"))
+    init = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    node.procs.append(init)  # type: ignore[arg-type]
+    for n, model in enumerate(["X" * (2 << 20), "GPU \ud800"]):
+        image = tmp_path / f"img{n}"
+        image.mkdir()
+        data = {"version": 1, "container_id": "c1", "driver_version": "550.54.15",
+                "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}],
+                "gpu_models": {node.lab.uuids[0]: {"name": model}}}
+        (image / manifest.NAME).write_text(json.dumps(data))
+        r = action(script, "post-restore", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
+                   CRTOOLS_IMAGE_DIR=str(image))
+        assert r.returncode == 6 and r.stderr.count("\n") == 1 and len(r.stderr) < 4000, r.stderr
+    assert metrics.update(settings, metrics.Changes("other", "H100").inc(
+        "cudahook_checkpoints_total", outcome="ok"))
+    state = Path(settings.state_dir) / metrics.STATE_NAME
+    assert state.stat().st_size < 64 << 10
+    found = samples(metrics_file(node))
+    assert value(found, "cudahook_checkpoints_total", container="other") == 2
+    assert init.poll() is None
+
+
+def test_untrusted_strings_bounded__an_oversized_result_costs_only_itself(tmp_path: Path) -> None:
+    """The history `cudahook status` shows: a result too large for the
+    store's read cap is not written, and the results kept before stay."""
+    import contextlib
+
+    from cudahook.platform.errors import CudahookError
+
+    store = Store(tmp_path / "state")
+    store.remember("c1", "checkpoint", {"ok": True, "time": 1.0})
+    with contextlib.suppress(CudahookError):  # store.TooLarge: this result is not kept
+        store.remember("c1", "restore", {"ok": False, "error": "X" * (2 << 20)})
+    assert store.history()["c1"]["checkpoint"] == {"ok": True, "time": 1.0}

@@ -1,14 +1,23 @@
-"""`cudahook migrate`'s decisions that need no podman: the archive's checksum
+"""`cudahook migrate`'s decisions that need no GPU: the archive's checksum
 and its tar read to the end, the members it may hold, the GPUs chosen on the
-target node, and the spec rewritten to name them. The end-to-end moves are in
-tests/e2e/test_migrate.py."""
+target node, and the spec rewritten to name them; hostile archives (built
+here byte by byte), signatures, and what a failed restore may remove, with a
+stand-in podman (a script that records its calls). The end-to-end moves,
+with the real podman, are in tests/e2e/test_migrate.py."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 import tarfile
+import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -63,7 +72,7 @@ def test_a_missing_or_bogus_checksum_is_refused(tmp_path: Path) -> None:
 def test_a_truncated_or_damaged_tar_fails_while_scanning(tmp_path: Path) -> None:
     for gz in (True, False):
         a = archive(tmp_path, MEMBERS, gz=gz)
-        assert set(migrate.scan(a)) == {"spec.dump", "config.dump"}
+        assert set(migrate.scan(a).small) == {"spec.dump", "config.dump"}
         data = a.read_bytes()
         a.write_bytes(data[: len(data) // 2])
         with pytest.raises(UsageError, match="not a complete checkpoint archive"):
@@ -77,20 +86,34 @@ def test_a_truncated_or_damaged_tar_fails_while_scanning(tmp_path: Path) -> None
         migrate.scan(a)
 
 
-@pytest.mark.parametrize("kind", ["abs", "dotdot", "symlink", "fifo"])
-def test_members_a_checkpoint_never_holds_are_refused(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["abs", "dotdot", "dot-dotdot", "root"])
+def test_archive_names_canonical__absolute_and_escaping_names_refused(tmp_path: Path,
+                                                                     kind: str) -> None:
     path = tmp_path / "bad.tar"
     with tarfile.open(path, "w") as tar:
-        info = tarfile.TarInfo({"abs": "/etc/x", "dotdot": "checkpoint/../../x"}.get(kind, "x"))
-        if kind == "symlink":
-            info.type, info.linkname = tarfile.SYMTYPE, "/etc/shadow"
-        elif kind == "fifo":
-            info.type = tarfile.FIFOTYPE
+        info = tarfile.TarInfo({"abs": "/etc/x", "dotdot": "checkpoint/../../x",
+                                "dot-dotdot": "./checkpoint/./../../x", "root": "/"}[kind])
+        info.type = tarfile.DIRTYPE if kind == "root" else tarfile.REGTYPE
         tar.addfile(info, io.BytesIO(b""))
-    with pytest.raises(UsageError, match=r"leaves the archive|not a file or directory"):
+    with pytest.raises(UsageError, match=r"leaves the archive|absolute name"):
         migrate.scan(path)
-    with pytest.raises(UsageError, match=r"leaves the archive|not a file or directory"):
+    with pytest.raises(UsageError, match=r"leaves the archive|absolute name"):
         migrate.scan(path, copy_to=tmp_path / "copy.tar")
+    assert not (tmp_path / "copy.tar").exists() or (tmp_path / "copy.tar").stat().st_size == 0
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "chardev", "blockdev"])
+def test_archive_bounded__links_and_devices_refused(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "bad.tar"
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo("checkpoint/x")
+        info.type = {"symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
+                     "fifo": tarfile.FIFOTYPE, "chardev": tarfile.CHRTYPE,
+                     "blockdev": tarfile.BLKTYPE}[kind]
+        info.linkname = "/etc/shadow" if "link" in kind else ""
+        tar.addfile(info, io.BytesIO(b""))
+    with pytest.raises(UsageError, match=r"holds only files and directories"):
+        migrate.scan(path)
 
 
 def test_choose_gpus() -> None:
@@ -108,11 +131,18 @@ def test_choose_gpus() -> None:
 
 def test_the_copy_names_the_new_gpus_and_keeps_the_rest(tmp_path: Path) -> None:
     a = archive(tmp_path, MEMBERS)
+    raw = bytearray(gzip.decompress(a.read_bytes()))
+    at = raw.index(b"checkpoint/pages-1.img")  # its header: the pages setuid
+    raw[at + 100:at + 108] = tarfile.itn(0o4755, 8, tarfile.USTAR_FORMAT)
+    raw[at + 148:at + 156] = b" " * 8
+    raw[at + 148:at + 156] = b"%06o\0 " % sum(raw[at:at + 512])
+    a.write_bytes(gzip.compress(bytes(raw)))
     copy = tmp_path / "copy.tar"
-    small = migrate.scan(a, copy_to=copy)
+    small = migrate.scan(a, copy_to=copy).small
     migrate.finish_copy(copy, migrate.retarget(small, ["GPU-x", "GPU-y"]))
     with tarfile.open(copy) as tar:
         got = {m.name: tar.extractfile(m).read() for m in tar}  # type: ignore[union-attr]
+        assert tar.getmember("checkpoint/pages-1.img").mode == 0o755  # no setuid bit
     assert got["checkpoint/pages-1.img"] == MEMBERS["checkpoint/pages-1.img"]
     spec, config = json.loads(got["spec.dump"]), json.loads(got["config.dump"])
     for s in (spec, config["spec"]):
@@ -194,3 +224,566 @@ def test_a_missing_work_dir_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     rc = main(["migrate", "restore", str(a), "--work-dir", str(tmp_path / "nope"),
                "--podman", "/bin/false"])
     assert rc == Exit.ENVIRONMENT and "cannot make a work directory" in capsys.readouterr().err
+
+
+# -- hostile archives, through the command as an operator runs it ----------------
+
+FAKE_PODMAN = r'''
+import json, os, shutil, sys, tarfile, time
+state = os.environ["FAKE_PODMAN_DIR"]
+argv = sys.argv[1:]
+with open(os.path.join(state, "calls"), "a") as f:
+    f.write(json.dumps(argv) + "\n")
+conf_path = os.path.join(state, "conf.json")
+conf = json.load(open(conf_path)) if os.path.exists(conf_path) else {}
+time.sleep(conf.get("sleep", {}).get(" ".join(argv[:2]), 0))
+if argv[:2] == ["container", "exists"]:
+    made = os.path.exists(os.path.join(state, "imported.json"))  # by someone, meanwhile
+    sys.exit(0 if conf.get("exists") or made and conf.get("taken_meanwhile") else 1)
+if argv[:2] == ["image", "exists"]:
+    sys.exit(0)
+if argv[:2] == ["container", "restore"]:
+    i = [n for n, a in enumerate(argv) if a.startswith("--import")][0]
+    path = argv[i][len("--import="):] if "=" in argv[i] else argv[i + 1]
+    with tarfile.open(path) as t:
+        got = {n: json.loads(t.extractfile(n).read()) for n in ("spec.dump", "config.dump")}
+    json.dump(got, open(os.path.join(state, "imported.json"), "w"))
+    if conf.get("restore_fails"):
+        print("Error: creating container storage: the container name is already in use",
+              file=sys.stderr)
+        sys.exit(125)
+    print("f" * 64)
+    sys.exit(0)
+if argv[:2] == ["container", "inspect"]:
+    if conf.get("inspect") == "own":
+        spec = json.load(open(os.path.join(state, "imported.json")))["spec.dump"]
+        print("a" * 64, spec["annotations"]["cudahook-migrate/restore-token"])
+    elif conf.get("inspect"):
+        print(conf["inspect"])
+    sys.exit(0 if conf.get("inspect") else 125)
+if argv[:1] == ["rm"]:
+    sys.exit(0)
+if argv[:2] == ["container", "checkpoint"]:
+    i = [n for n, a in enumerate(argv) if a.startswith("--export")][0]
+    out = argv[i][len("--export="):] if "=" in argv[i] else argv[i + 1]
+    if conf.get("export_from"):  # else: exit 0, no archive written
+        shutil.copyfile(conf["export_from"], out)
+    sys.exit(0)
+sys.exit(3)
+'''
+
+
+class Node:
+    """A stand-in podman (its calls recorded) and cudahook's configuration,
+    in `tmp`; `restore` runs `cudahook migrate restore` as a command."""
+
+    def __init__(self, tmp: Path, **config: object) -> None:
+        self.dir = tmp / "node"
+        self.dir.mkdir()
+        self.work = tmp / "work"
+        self.work.mkdir()
+        (self.dir / "podman.py").write_text(FAKE_PODMAN)
+        self.podman = f"{sys.executable} {self.dir / 'podman.py'}"
+        self.log = self.dir / "cudahook.log"
+        self.config = self.dir / "config.yaml"
+        self.configure(**config)
+
+    def configure(self, **config: object) -> None:
+        self.config.write_text(json.dumps({"log_file": str(self.log), **config}))
+
+    def fake(self, **conf: object) -> None:
+        (self.dir / "conf.json").write_text(json.dumps(conf))
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "FAKE_PODMAN_DIR": str(self.dir), "TMPDIR": str(self.work)}
+
+    def argv(self, *args: str) -> list[str]:
+        podman = [] if args[0] == "keygen" else ["--podman", self.podman]
+        return [sys.executable, "-m", "cudahook", "--config", str(self.config), "migrate",
+                *args, *podman]
+
+    def run(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+
+    def restore(self, archive: Path, *args: str, timeout: float = 30
+                ) -> subprocess.CompletedProcess[str]:
+        return self.run("restore", str(archive), *args, timeout=timeout)
+
+    def calls(self) -> list[list[str]]:
+        p = self.dir / "calls"
+        return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+    def imported(self) -> dict[str, dict]:
+        return json.loads((self.dir / "imported.json").read_text())
+
+
+def refused(r: subprocess.CompletedProcess[str], code: int, why: str, node: Node) -> None:
+    """One line, the documented code, nothing left in the work directory,
+    podman never asked to restore."""
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cudahook: ") and why in lines[0], r.stderr
+    assert "\x1b" not in r.stderr and "Traceback" not in r.stderr
+    assert list(node.work.iterdir()) == []
+    assert not any(c[:2] == ["container", "restore"] for c in node.calls())
+
+
+def header(name: str, size: int, kind: bytes = tarfile.REGTYPE, *, gnu: bool = False,
+           patch: dict[int, bytes] | None = None) -> bytes:
+    """A tar header block as a tar writer would make it, with `patch`ed
+    bytes (its checksum made right again)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.type, info.mtime = size, kind, 1
+    block = bytearray(info.tobuf(tarfile.GNU_FORMAT if gnu else tarfile.USTAR_FORMAT)[-512:])
+    for at, data in (patch or {}).items():
+        block[at:at + len(data)] = data
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+def padded(data: bytes) -> bytes:
+    return data + bytes(-len(data) % 512)
+
+
+def tar_bytes(members: dict[str, bytes]) -> bytes:
+    """A tar stream of `members` and its two end blocks (no padding after)."""
+    out = b""
+    for name, data in members.items():
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        out += info.tobuf(tarfile.PAX_FORMAT) + padded(data)
+    return out + bytes(1024)
+
+
+BASE = tar_bytes(MEMBERS)[:-1024]  # no end-of-archive blocks: members follow
+END = bytes(1024)
+
+
+def write(tmp: Path, raw: bytes, *, gz: bool = True, name: str = "hostile.tar.gz") -> Path:
+    path = tmp / name
+    path.write_bytes(gzip.compress(raw, compresslevel=1, mtime=0) if gz else raw)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
+    return path
+
+
+def pax(records: dict[str, str]) -> bytes:
+    body = b""
+    for k, v in records.items():
+        rec = f" {k}={v}\n".encode()
+        n = len(rec) + 1
+        while len(str(n)) + len(rec) != n:
+            n += 1
+        body += str(n).encode() + rec
+    return header("PaxHeaders/x", len(body), tarfile.XHDTYPE) + padded(body)
+
+
+@pytest.mark.parametrize("kind", ["old-gnu", "old-gnu-extended", "pax-1.0", "pax-0.1"])
+def test_archive_bounded__sparse_members_refused(tmp_path: Path, kind: str) -> None:
+    """A few hundred bytes that declare a huge sparse file: refused at once,
+    before a byte of it is written (they spun, or wrote 512 MiB)."""
+    node = Node(tmp_path)
+    node.fake()
+    real = b"%011o\0" % (512 << 20)
+    if kind.startswith("old-gnu"):
+        # type S, one map entry (offset 512 MiB - 512, 512 bytes), real size 512 MiB
+        patch = {386: b"%011o\0" % ((512 << 20) - 512) + b"%011o\0" % 512, 483: real}
+        if kind == "old-gnu-extended":
+            patch[482] = b"\x01"  # an extension block follows: here, none that ends
+        body = header("checkpoint/pages-9.img", 512, b"S", gnu=True, patch=patch) + bytes(512)
+    else:
+        major, minor = kind.removeprefix("pax-").split(".")
+        body = pax({"GNU.sparse.major": major, "GNU.sparse.minor": minor,
+                    "GNU.sparse.name": "checkpoint/pages-9.img",
+                    "GNU.sparse.realsize": str(512 << 20), "GNU.sparse.numblocks": "1",
+                    "GNU.sparse.offset": "0", "GNU.sparse.numbytes": "512",
+                    "GNU.sparse.map": "0,512"})
+        body += header("checkpoint/GNUSparseFile.0/pages-9.img", 1024) + b"1\n0\n512\n".ljust(
+            512, b"\0") + bytes(512)
+    a = write(tmp_path, BASE + body + END)
+    t = time.monotonic()
+    r = node.restore(a, timeout=20)
+    refused(r, Exit.USAGE, "sparse member", node)
+    assert time.monotonic() - t < 10
+
+
+def test_archive_bounded__member_past_the_free_space_refused_before_writing(
+        tmp_path: Path) -> None:
+    """A member that declares 100 GiB: the copy would fill the disk."""
+    node = Node(tmp_path, migrate_max_unpacked_bytes=1 << 50)
+    node.fake()
+    a = write(tmp_path, BASE + header("checkpoint/pages-9.img", 100 << 30, gnu=True) + bytes(4096))
+    r = node.restore(a)
+    refused(r, Exit.ENVIRONMENT, "no room for the restore's copy", node)
+
+
+def test_archive_bounded__member_past_the_cap_refused_before_reading_it(tmp_path: Path) -> None:
+    node = Node(tmp_path, migrate_max_unpacked_bytes=4 << 20)
+    node.fake()
+    a = write(tmp_path, BASE + header("checkpoint/pages-9.img", 100 << 30, gnu=True) + bytes(4096))
+    for args in ([], ["--dry-run"]):
+        r = node.restore(a, *args)
+        refused(r, Exit.USAGE, "migrate_max_unpacked_bytes", node)
+
+
+def bomb(path: Path, members: list[tuple[str, int]], trailing: int = 0) -> Path:
+    """A gzip stream of tar members full of zeros (1000:1), written in pieces."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    with open(path, "wb") as f:
+        f.write(z.compress(BASE))
+        for name, size in members:
+            f.write(z.compress(header(name, size)))
+            zero = bytes(1 << 20)
+            for _ in range(size >> 20):
+                f.write(z.compress(zero))
+        f.write(z.compress(END))
+        for _ in range(trailing >> 20):
+            f.write(z.compress(bytes(1 << 20)))
+        f.write(z.flush())
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
+    return path
+
+
+def test_archive_bounded__gzip_bomb_stops_at_the_cap(tmp_path: Path) -> None:
+    """About 1 MiB that inflates to 1 GiB, in 64 MiB members: the pass stops
+    at the first member past the cap, having written less than the cap."""
+    node = Node(tmp_path, migrate_max_unpacked_bytes=256 << 20)
+    node.fake()
+    a = bomb(tmp_path / "bomb.tar.gz", [(f"checkpoint/pages-{i + 10}.img", 64 << 20)
+                                        for i in range(16)])
+    assert a.stat().st_size < 2 << 20
+    t = time.monotonic()
+    r = node.restore(a)
+    refused(r, Exit.USAGE, "past 268435456 bytes unpacked", node)
+    assert time.monotonic() - t < 10
+
+
+def test_archive_bounded__zeros_after_the_end_are_not_inflated(tmp_path: Path) -> None:
+    """1 GiB of zeros after the end-of-archive blocks (read only for the CRC)."""
+    node = Node(tmp_path)
+    node.fake()
+    a = bomb(tmp_path / "bomb.tar.gz", [], trailing=1 << 30)
+    t = time.monotonic()
+    r = node.restore(a)
+    refused(r, Exit.USAGE, "after the end of the tar archive", node)
+    assert time.monotonic() - t < 10
+
+
+def test_archive_bounded__the_read_has_a_deadline(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    a = write(tmp_path, BASE + header("checkpoint/pages-9.img", 64 << 20)
+              + os.urandom(64 << 20) + END, gz=False, name="big.tar")
+    r = node.restore(a, "--timeout", "0.05")
+    refused(r, Exit.USAGE, "not read within 0.05s", node)
+
+
+@pytest.mark.parametrize("spelling", ["checkpoint/./", "checkpoint//", "./checkpoint/",
+                                      "checkpoint/x/../"])
+def test_archive_names_canonical__manifest_under_another_spelling_reaches_the_gate(
+        tmp_path: Path, spelling: str) -> None:
+    """The manifest's name spelled otherwise: normalised, it is the manifest
+    (here a damaged one: exit 6, as `cudahook check --image` says), or, with
+    `..`, refused; never a restore that skips the gate."""
+    node = Node(tmp_path)
+    node.fake()
+    a = write(tmp_path, tar_bytes({**MEMBERS, f"{spelling}cudahook-manifest.json": b"{"}))
+    r = node.restore(a)
+    if ".." in spelling:
+        refused(r, Exit.USAGE, "leaves the archive", node)
+    else:
+        refused(r, Exit.NOT_HERE, "cudahook-manifest.json in the checkpoint is unreadable", node)
+
+
+@pytest.mark.parametrize("second", ["spec.dump", "./spec.dump", ".//spec.dump"])
+def test_archive_names_canonical__duplicates_refused(tmp_path: Path, second: str) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    evil = json.dumps({"process": {"env": []}, "annotations": {"x": "y"}}).encode()
+    raw = tar_bytes(MEMBERS)[:-1024] + tar_bytes({second: evil})
+    r = node.restore(write(tmp_path, raw))
+    refused(r, Exit.USAGE, "appears twice", node)
+
+
+def test_exit_codes_one_table__damaged_manifest_agrees_with_check(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    a = write(tmp_path, tar_bytes({**MEMBERS, "checkpoint/cudahook-manifest.json": b"[1"}))
+    r = node.restore(a)
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "cudahook-manifest.json").write_bytes(b"[1")
+    rc = main(["--config", str(node.config), "check", "--image", str(image)])
+    assert "MANIFEST_UNREADABLE" in capsys.readouterr().out
+    assert rc == Exit.NOT_HERE
+    refused(r, rc, "unreadable", node)
+
+
+def good_archive(tmp: Path, config: dict | None = None, spec: dict | None = None) -> Path:
+    tmp.mkdir(exist_ok=True)
+    s = spec or SPEC
+    return archive(tmp, {"spec.dump": json.dumps(s).encode(),
+                         "config.dump": json.dumps({"name": "c", "spec": s, **(config or {})}
+                                                   ).encode(),
+                         "checkpoint/pages-1.img": b"x" * 100_000})
+
+
+def test_one_line_errors__names_from_the_archive_are_escaped(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake(exists=True)
+    a = good_archive(tmp_path, {"name": "c\x1b[2J\nEVIL"})
+    r = node.restore(a)
+    refused(r, Exit.USAGE, "not a container name", node)
+    assert "\\x1b[2J\\nEVIL" in r.stderr
+    raw = tar_bytes(MEMBERS)[:-1024] + header("a\x1b]0;x\x07", 0, tarfile.SYMTYPE) + END
+    r = node.restore(write(tmp_path, raw))
+    refused(r, Exit.USAGE, "\\x1b]0;x\\x07", node)
+    for bad in ("-rf", "x\ny"):
+        r = node.restore(good_archive(tmp_path / bad.replace("\n", "_"), {"name": bad}))
+        refused(r, Exit.USAGE, "not a container name", node)
+    r = node.restore(good_archive(tmp_path / "ok"), "--name", "\x1b[2J")
+    refused(r, Exit.USAGE, "--name '\\x1b[2J': not a container name", node)
+    assert node.calls() == []
+
+
+def test_remove_only_own__a_container_someone_else_made_stays(tmp_path: Path) -> None:
+    """podman fails because a container of that name appeared meanwhile:
+    that container is not ours, and stays."""
+    node = Node(tmp_path)
+    node.fake(restore_fails=True, taken_meanwhile=True, inspect="b" * 64 + " <no value>")
+    r = node.restore(good_archive(tmp_path))
+    assert r.returncode == Exit.FAILED and "name is already in use" in r.stderr, r.stderr
+    assert not any(c[:1] == ["rm"] for c in node.calls()), node.calls()
+    assert list(node.work.iterdir()) == []
+
+
+def test_remove_only_own__the_container_this_restore_made_goes_by_its_id(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake(restore_fails=True, inspect="own")
+    r = node.restore(good_archive(tmp_path))
+    assert r.returncode == Exit.FAILED, r.stderr
+    assert ["rm", "-f", "-t", "0", "--", "a" * 64] in node.calls()
+
+
+def test_remove_only_own__values_go_after_double_dash(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    image = "d" * 64
+    r = node.restore(good_archive(tmp_path, {"rootfsImageID": image}), "--name", "n1")
+    assert r.returncode == 0, r.stderr
+    calls = node.calls()
+    assert ["container", "exists", "--", "n1"] in calls
+    assert ["image", "exists", "--", image] in calls
+    (restore,) = [c for c in calls if c[:2] == ["container", "restore"]]
+    assert "--name=n1" in restore and any(x.startswith("--import=") for x in restore)
+    # A name that podman would read as an option is refused outright.
+    (node.dir / "calls").unlink()
+    r = node.restore(good_archive(tmp_path, {"name": "--all"}))
+    refused(r, Exit.USAGE, "not a container name", node)
+    assert not any("--all" in c and c[c.index("--all") - 1] != "--" for c in node.calls())
+
+
+def test_remove_only_own__stale_work_directories_swept(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    done = subprocess.Popen(["true"])
+    done.wait()
+    me = os.getpid()
+    from cudahook.platform.host import Host
+
+    start = Host().start_time(me)
+    stale = node.work / f"cudahook-migrate-{done.pid}-1-abc"
+    live = node.work / f"cudahook-migrate-{me}-{start}-abc"
+    reused = node.work / f"cudahook-migrate-{me}-{start + 1}-abc"  # the PID, another process
+    other = node.work / "cudahook-migrate-notours"
+    target = tmp_path / "elsewhere"
+    for d in (stale, live, reused, other, target):
+        d.mkdir()
+        (d / "restore.tar").write_bytes(b"partial")
+    link = node.work / f"cudahook-migrate-{done.pid}-2-lnk"
+    link.symlink_to(target)
+    r = node.restore(good_archive(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in node.work.iterdir()) == sorted(
+        p.name for p in (live, other, link))
+    assert (target / "restore.tar").exists()
+
+
+def test_remove_only_own__sigterm_leaves_no_work_directory(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake(sleep={"container exists": 3})
+    proc = subprocess.Popen(node.argv("restore", str(good_archive(tmp_path))), env=node.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not any(node.work.iterdir()) or not node.calls():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, err
+    assert list(node.work.iterdir()) == []
+
+
+def test_operator_only_criu_config__archive_annotations_do_not_cross(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    spec = {**SPEC, "annotations": {"org.criu.config": "/tmp/evil.conf",
+                                    "cudahook.io/criu-config": "/tmp/evil2.conf", "keep": "1"}}
+    r = node.restore(good_archive(tmp_path, spec=spec))
+    assert r.returncode == 0, r.stderr
+    got = node.imported()
+    for s in (got["spec.dump"], got["config.dump"]["spec"]):
+        assert s["annotations"].keys() == {"keep", "cudahook-migrate/restore-token"}
+    assert "dropped from the spec: cudahook.io/criu-config, org.criu.config" in r.stdout
+    (event,) = [json.loads(x) for x in node.log.read_text().splitlines()]
+    assert event["dropped_annotations"] == ["cudahook.io/criu-config", "org.criu.config"]
+
+
+# -- who made the archive -------------------------------------------------------
+
+
+def checkpointed(node: Node, tmp: Path, key: Path | None, name: str = "job.tar.gz") -> Path:
+    (tmp / f"src-{name}").mkdir()
+    src = good_archive(tmp / f"src-{name}")
+    node.fake(export_from=str(src))
+    out = tmp / name
+    args = ["checkpoint", "c", str(out)] + (["--sign-key", str(key)] if key else [])
+    r = node.run(*args)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_archive_authenticity__signed_by_a_trusted_key(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    r = node.run("keygen", "--out", str(tmp_path / "key"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "key").stat().st_mode & 0o777 == 0o600
+    a = checkpointed(node, tmp_path, tmp_path / "key")
+    statement = json.loads(json.loads(a.with_name(a.name + ".sig").read_text())["statement"])
+    assert statement["sha256"] == hashlib.sha256(a.read_bytes()).hexdigest()
+    assert statement["container"] == "c" and statement["size"] == a.stat().st_size
+    r = node.restore(a, "--verify-key", str(tmp_path / "key.pub"))
+    assert r.returncode == 0, r.stderr
+    assert "origin (signed by ed25519:" in r.stdout and "not verified" not in r.stdout
+
+
+def test_archive_authenticity__replaced_archive_or_other_key_refused(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    assert node.run("keygen", "--out", str(tmp_path / "key")).returncode == 0
+    assert node.run("keygen", "--out", str(tmp_path / "other")).returncode == 0
+    a = checkpointed(node, tmp_path, tmp_path / "key")
+    r = node.restore(a, "--verify-key", str(tmp_path / "other.pub"))
+    refused(r, Exit.USAGE, "not signed by a trusted key", node)
+    # Someone replaces the archive and its sidecar; the signature stays.
+    a.write_bytes(gzip.compress(tar_bytes(MEMBERS)))
+    digest = hashlib.sha256(a.read_bytes()).hexdigest()
+    a.with_name(a.name + ".sha256").write_text(f"{digest}  {a.name}\n")
+    r = node.restore(a, "--verify-key", str(tmp_path / "key.pub"))
+    refused(r, Exit.USAGE, "signed for another archive", node)
+    # A signature file that is a link (to a good one) is not read.
+    sig = a.with_name(a.name + ".sig")
+    sig.rename(tmp_path / "moved.sig")
+    sig.symlink_to(tmp_path / "moved.sig")
+    r = node.restore(a, "--verify-key", str(tmp_path / "key.pub"))
+    refused(r, Exit.USAGE, "is a symlink", node)
+
+
+def test_archive_authenticity__required_signature(tmp_path: Path) -> None:
+    keys = tmp_path / "trusted"
+    keys.mkdir()
+    node = Node(tmp_path, migrate_require_signature=True, migrate_trusted_keys_dir=str(keys))
+    assert node.run("keygen", "--out", str(keys / "site")).returncode == 0
+    unsigned = checkpointed(node, tmp_path, None, "unsigned.tar.gz")
+    r = node.restore(unsigned)
+    refused(r, Exit.USAGE, "unsigned.tar.gz.sig is missing", node)
+    signed = checkpointed(node, tmp_path, keys / "site", "signed.tar.gz")
+    r = node.restore(signed)
+    assert r.returncode == 0, r.stderr
+    assert "origin (signed by" in r.stdout
+
+
+def test_archive_authenticity__unsigned_restore_says_what_it_did_not_verify(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    r = node.restore(good_archive(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "verified: sha256 (ckpt.tar.gz.sha256), tar structure and bounds, gzip CRC" in r.stdout
+    assert "not verified: origin (unsigned)" in r.stdout
+
+
+def test_exit_codes_one_table__gate_refusals_exit_as_check_says() -> None:
+    """Every reason the restore gate can give: `migrate restore` exits with
+    the code `cudahook check --image` gives for it (the hooks keep theirs)."""
+    from cudahook.hooks.checks import Verdict
+    from cudahook.platform.errors import CudahookError, EnvironmentProblem
+    from cudahook.platform.reasons import REASONS
+
+    for code, reason in REASONS.items():
+        if reason.side == "checkpoint":
+            continue
+        v = Verdict("restore", {})
+        v.add(code, "x")
+        err = (NotRestorableHere if reason.never_here else EnvironmentProblem)("x", reason=code)
+        got = migrate.as_check(err)
+        assert isinstance(got, CudahookError) and got.exit_code == v.exit_code, code
+        assert got.reason == code
+
+
+def test_exit_codes_one_table__a_changed_or_missing_image_file_is_6(tmp_path: Path) -> None:
+    """The files of cudahook's that the manifest checksums (the VMM state),
+    as the archive holds them: changed or missing, exit 6 as check says."""
+    state = b"vmm state" * 1000
+    a = archive(tmp_path, {**MEMBERS, "checkpoint/cuda-vmm.state": state})
+    found = migrate.scan(a)
+    good = {"files": {"cuda-vmm.state": {"sha256": hashlib.sha256(state).hexdigest(),
+                                         "size": len(state)}}}
+    migrate.verify_files(good, found.hashed)
+    changed = {"files": {"cuda-vmm.state": {"sha256": "0" * 64, "size": len(state)}}}
+    with pytest.raises(NotRestorableHere) as exc:
+        migrate.verify_files(changed, found.hashed)
+    assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE
+    with pytest.raises(NotRestorableHere) as exc:
+        migrate.verify_files({"files": {"other.state": good["files"]["cuda-vmm.state"]}},
+                             found.hashed)
+    assert exc.value.reason == "IMAGE_FILE_MISSING"
+
+
+@pytest.mark.parametrize("process", [[1], {"env": "A=1"}, {"env": [1]}, "x"])
+def test_one_line_errors__a_malformed_spec_is_bad_input(process: object) -> None:
+    spec = {"process": process}
+    small = {"spec.dump": json.dumps(spec).encode(),
+             "config.dump": json.dumps({"name": "c", "spec": spec}).encode()}
+    with pytest.raises(UsageError, match="not a list of strings"):
+        migrate.retarget(small, ["GPU-x"])
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut"])
+def test_one_line_errors__a_damaged_gzip_stream_is_one_line(tmp_path: Path, damage: str) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    a = good_archive(tmp_path)
+    data = bytearray(a.read_bytes())
+    if damage == "flipped":
+        data[len(data) * 2 // 3] ^= 0xFF
+    else:
+        del data[len(data) * 2 // 3:]
+    a.write_bytes(bytes(data))
+    r = node.restore(a, "--no-verify")
+    refused(r, Exit.USAGE, "not a complete checkpoint archive", node)
+
+
+def test_one_line_errors__podman_exits_0_without_an_archive(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake()  # podman's checkpoint says it succeeded, and writes nothing
+    out = tmp_path / "job.tar.gz"
+    r = node.run("checkpoint", "c", str(out))
+    assert r.returncode == Exit.FAILED, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "wrote no archive" in lines[0], r.stderr
+    assert list(tmp_path.glob("job.tar.gz*")) == []

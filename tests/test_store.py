@@ -39,12 +39,16 @@ def test_files_are_0600_and_dirs_0700(tmp_path: Path) -> None:
         assert mode(root / f) == 0o600, f
 
 
-def test_root_made_private_even_if_it_existed(tmp_path: Path) -> None:
+def test_root_found_open_is_refused_not_changed(tmp_path: Path) -> None:
+    """A directory cudahook did not create (not 0700) is never chmodded."""
+    from cudahook.platform.privdir import ForeignDirectory
+
     root = tmp_path / "state"
     root.mkdir(mode=0o755)
     os.chmod(root, 0o755)
-    Store(root).update("c", pid=1)
-    assert mode(root) == 0o700
+    with pytest.raises(ForeignDirectory):
+        Store(root).update("c", pid=1)
+    assert mode(root) == 0o755
 
 
 def test_write_json_atomic_mode_and_no_temp_left(tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ def test_a_containers_own_criu_config_is_kept_and_global_needs_no_copy(
 
     state = _criu_setup(tmp_path, monkeypatch, f"{criuconf.COMMENT}\n"
                         "action-script /opt/h/cudahook-criu-action\n")
-    own = tmp_path / "own.conf"
+    own = tmp_path / "root/etc/criu/own.conf"  # the operator's directory
     own.write_text("ghost-limit 1M\n")
     b = bundle(tmp_path / "b", ["NVIDIA_VISIBLE_DEVICES=0"], {"org.criu.config": str(own)})
     # Global registration, but the container names its own file, which lacks the script.

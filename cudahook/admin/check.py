@@ -49,7 +49,7 @@ def run(ctx: Context, args: argparse.Namespace) -> checks.Verdict:
         return _restore(ctx, args)
     if args.bundle or args.visible_gpus or args.fresh:
         raise UsageError("--bundle, --visible-gpus and --fresh go with --image")
-    if args.image_dir and not Path(args.image_dir).is_dir():
+    if args.image_dir and not _is_dir(Path(args.image_dir)):
         raise UsageError(f"--image-dir {args.image_dir}: not a directory")
     image_dir = Path(args.image_dir) if args.image_dir else None
     if args.pid:
@@ -80,9 +80,17 @@ def run(ctx: Context, args: argparse.Namespace) -> checks.Verdict:
     return v
 
 
+def _is_dir(path: Path) -> bool:
+    """A directory; a name the kernel refuses (too long, a NUL) is none."""
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def _restore(ctx: Context, args: argparse.Namespace) -> checks.Verdict:
     image = Path(args.image)
-    if not image.is_dir():
+    if not _is_dir(image):
         raise UsageError(f"--image {image}: not a directory")
     record: dict[str, Any] | None = None
     opts = ann.Options()

@@ -12,9 +12,58 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
-from cudahook.platform.errors import CudahookError, Exit, UsageError
+from cudahook.platform.errors import (
+    EnvironmentProblem,
+    Exit,
+    UsageError,
+    escape_lines,
+    one_line,
+    report,
+)
+
+# The kernel's PID range: pid_max is at most 4194304 (2^22).
+PID_MAX = 1 << 22
+
+
+def pid_arg(text: str) -> int:
+    """A PID argument: 1 to PID_MAX. PID 0 names no process (kill(0) means
+    the caller's own process group), so it is refused as bad input (exit 2)
+    before anything is looked at."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a PID: {text[:40]!r}") from None
+    if not 1 <= value <= PID_MAX:
+        raise argparse.ArgumentTypeError(f"not a PID: {value} (1 to {PID_MAX})")
+    return value
+
+
+def seconds_arg(text: str) -> float:
+    """A deadline argument: a positive, finite number of seconds (float()
+    also takes "nan" and "inf", which no deadline can be)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text[:40]!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text[:40]!r}")
+    return value
+
+
+def lock_ms_arg(text: str) -> int:
+    """--lock-timeout-ms: the range config.schema.json allows lock_timeout_ms."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of ms: {text[:40]!r}") from None
+    if not 0 <= value <= 3600000:
+        raise argparse.ArgumentTypeError(f"{value} ms: not within 0 to 3600000")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,18 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     def targets(sp: argparse.ArgumentParser) -> None:
         g = sp.add_mutually_exclusive_group(required=True)
-        g.add_argument("--pid", type=int, action="append", help="a CUDA process (repeatable)")
-        g.add_argument("--init-pid", type=int,
+        g.add_argument("--pid", type=pid_arg, action="append",
+                       help="a CUDA process (repeatable)")
+        g.add_argument("--init-pid", type=pid_arg,
                        help="a container's init PID: act on all its CUDA processes")
 
     d = sub.add_parser("discover", help="list a container's CUDA processes")
-    d.add_argument("--init-pid", type=int, required=True)
+    d.add_argument("--init-pid", type=pid_arg, required=True)
     d.add_argument("--checkpointed", action="store_true",
                    help="also find processes that hold no device node (already checkpointed)")
     c = sub.add_parser("checkpoint", help="lock and checkpoint CUDA processes")
     targets(c)
     c.add_argument("--sequential", action="store_true", default=None)
-    c.add_argument("--lock-timeout-ms", type=int)
+    c.add_argument("--lock-timeout-ms", type=lock_ms_arg, metavar="MS")
     r = sub.add_parser("restore", help="restore and unlock CUDA processes")
     targets(r)
     r.add_argument("--device-map", help="old=new GPU UUID pairs, comma separated")
@@ -64,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-gpus", help="GPU UUIDs to restore onto (comma separated)")
     r.add_argument("--sequential", action="store_true", default=None)
     s = sub.add_parser("state", help="the checkpoint state of processes")
-    s.add_argument("--pid", type=int, action="append", required=True)
+    s.add_argument("--pid", type=pid_arg, action="append", required=True)
     sub.add_parser("gpus", help="the GPUs nvidia-smi reports")
     sub.add_parser("features", help="what the installed cuda-checkpoint supports")
     st = sub.add_parser("status", help="GPU containers, their CUDA processes, last results")
@@ -99,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     mgc.add_argument("--leave-running", action="store_true",
                      help="the container goes on here after the checkpoint")
     mgc.add_argument("--compress", choices=("gzip", "none"), default="gzip")
+    mgc.add_argument("--sign-key", metavar="KEY", help="sign the archive (ARCHIVE.sig) with "
+                     "this Ed25519 private key (migrate keygen)")
     mgr = mgs.add_parser("restore", parents=[common],
                          help="restore a container from an archive onto this node's GPUs")
     mgr.add_argument("archive")
@@ -111,11 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="check the archive and this node (exit 0, 2, 5 or 6), restore nothing")
     mgr.add_argument("--work-dir", help="where the copy naming this node's GPUs is written "
                      "(default: $TMPDIR; as large as the archive, uncompressed)")
+    mgr.add_argument("--verify-key", metavar="PUB", action="append", default=[],
+                     help="a trusted Ed25519 public key: ARCHIVE.sig must be signed by one "
+                     "(repeatable; also migrate_trusted_keys_dir)")
+    mgk = mgs.add_parser("keygen", parents=[common],
+                         help="make an Ed25519 key pair for signing archives")
+    mgk.add_argument("--out", required=True, metavar="KEY",
+                     help="the private key (0600); the public key is KEY.pub")
     for sp in (mgc, mgr):
         sp.add_argument("--podman", default="podman",
                         help="the podman command line, global options included "
                         "(default: podman)")
-        sp.add_argument("--timeout", type=float, default=3600.0,
+        sp.add_argument("--timeout", type=seconds_arg, default=3600.0,
                         help="deadline for podman's checkpoint or restore, in seconds")
     dm = sub.add_parser("demo", help="checkpoint and restore a simulated GPU container")
     dm.add_argument("--processes", action="store_true",
@@ -124,19 +183,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Whatever goes wrong ends as one escaped line on
+    stderr and a documented exit code (platform/errors.py `report`): a bug
+    is "internal error: ..." with exit 1, its traceback in the log only."""
+    args: argparse.Namespace | None = None
     try:
         args = build_parser().parse_args(argv)
         return run(args)
-    except CudahookError as exc:
-        print(f"cudahook: {exc}", file=sys.stderr)
-        return int(exc.exit_code)
     except KeyboardInterrupt:
         print("cudahook: interrupted", file=sys.stderr)
         return 130
+    except PermissionError as exc:
+        # Looking into another user's processes (/proc/PID/ns, fds) needs root.
+        where = f"{exc.filename}: " if exc.filename else ""
+        return report(EnvironmentProblem(f"{where}{exc.strerror or 'permission denied'} "
+                                         "(cudahook's commands need root)"))
+    except Exception as exc:
+        log_file = getattr(args, "log_file", None)
+        if log_file is None:
+            from cudahook.platform import paths
+
+            log_file = str(paths.at(paths.LOG_FILE))
+        return report(exc, log_file=log_file)
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=1) if args.json else text)
+    # Text output quotes container ids, GPU models, archive and manifest
+    # fields: escaped, so none of them can drive the terminal. JSON escapes
+    # control characters itself (and surrogates: ensure_ascii).
+    print(json.dumps(data, indent=1) if args.json else escape_lines(text))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,8 +220,6 @@ def run(args: argparse.Namespace) -> int:
     from cudahook.platform.host import Host
 
     if args.cmd == "configure":
-        from pathlib import Path
-
         from cudahook.platform import paths
 
         from .configure import ConfigureError, configure
@@ -159,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
                               criu_registration=args.criu_registration)
         except ConfigureError as exc:
             raise UsageError(str(exc)) from None
-        print("\n".join(lines))
+        print(escape_lines("\n".join(lines)))
         return Exit.OK
     if args.cmd == "demo":
         from cudahook.sim.demo import main as demo
@@ -167,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         return demo(processes_only=args.processes)
 
     settings = config.load(args.config)
+    args.log_file = settings.log_file  # where `main` writes an internal error's traceback
     if args.cmd == "migrate":
         return _migrate(args, settings, Host())
     if getattr(args, "sequential", None):
@@ -204,6 +278,10 @@ def run(args: argparse.Namespace) -> int:
         from . import status
 
         if args.manifest:
+            from .check import _is_dir
+
+            if not _is_dir(Path(args.manifest)):
+                raise UsageError(f"--manifest {args.manifest}: not a directory")
             _emit(args, _manifest_json(args.manifest), status.manifest_chart(args.manifest))
             return Exit.OK
         data = status.gather(ctx, live=not args.no_live)
@@ -238,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         found = discover(host, backend, args.init_pid, settings.device_regex,
                          require_device_fd=require_fd, max_parallel=settings.max_parallel)
         for w in found.warnings:
-            print(f"cudahook: warning: {w}", file=sys.stderr)
+            print(f"cudahook: warning: {one_line(w)}", file=sys.stderr)
         return found.pids
 
     if args.cmd == "discover":
@@ -308,18 +386,24 @@ def _container_of(settings: Any, host: Any, args: argparse.Namespace) -> str | N
 
 
 def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
-    from pathlib import Path
-
     from cudahook.hooks.context import Context
 
     from . import migrate
 
+    if args.migrate_cmd == "keygen":
+        from . import signing
+
+        keys = signing.keygen(Path(args.out))
+        _emit(args, keys, f"{keys['private_key']} (keep it on the checkpointing nodes), "
+              f"{keys['public_key']} (for restoring nodes), {keys['key_id']}")
+        return Exit.OK
     ctx = Context(settings, host)
     podman = migrate.podman_argv(args.podman)
     if args.migrate_cmd == "checkpoint":
         out = migrate.checkpoint(ctx, podman, args.container, Path(args.archive),
                                  leave_running=args.leave_running, compress=args.compress,
-                                 timeout=args.timeout)
+                                 timeout=args.timeout,
+                                 sign_key=Path(args.sign_key) if args.sign_key else None)
         _emit(args, out, f"{out['container']}: checkpointed into {out['archive']} "
               f"({out['bytes']} bytes, sha256 {out['sha256']}); copy it with "
               f"{Path(out['archive']).name}{migrate.SIDECAR}")
@@ -327,17 +411,20 @@ def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
     gpus = [u.strip() for u in args.gpus.split(",") if u.strip()] if args.gpus else None
     out = migrate.restore(ctx, podman, Path(args.archive), name=args.name, gpus=gpus,
                           verify=not args.no_verify, timeout=args.timeout,
-                          work_dir=args.work_dir, dry_run=args.dry_run)
+                          work_dir=args.work_dir, dry_run=args.dry_run,
+                          verify_keys=[Path(k) for k in args.verify_key])
     moved = ", ".join(f"{a}={b}" for a, b in (out["device_map"] or {}).items())
     _emit(args, out, f"{out['container']}: {'would be restored' if args.dry_run else 'restored'}"
           + (f" onto {', '.join(out['gpus'])}" if out["gpus"] else "")
-          + (f" (device map {moved})" if moved else ""))
+          + (f" (device map {moved})" if moved else "")
+          + f"\n  verified: {', '.join(out['verified'])}"
+          + (f"\n  not verified: {', '.join(out['not_verified'])}" if out["not_verified"] else "")
+          + (f"\n  dropped from the spec: {', '.join(out['dropped_annotations'])} (this node's "
+             "CRIU configuration applies)" if out["dropped_annotations"] else ""))
     return Exit.OK
 
 
 def _manifest_json(image_dir: str) -> Any:
-    from pathlib import Path
-
     from cudahook.core.manifest import read
 
     return read(Path(image_dir))

@@ -7,21 +7,20 @@
              (podman container restore --import, the container moved onto B's GPUs)
 
 The restore decides everything before podman starts, so a refusal leaves
-nothing behind: the archive must match its checksum and read to the end as
-a tar, every member's data included (a copy damaged or cut short in transit
-is refused, exit 2); the checkpoint's manifest must pass this node's restore
-gate with the GPUs chosen here (`restore_gate.plan_restore`, the decision
-post-restore takes: driver branch, GPU count, model and memory, a driver
-that can remap; exit 6 when this node can never run it). A copy of the
-archive (in $TMPDIR or --work-dir, as large as the archive uncompressed)
-then names this node's GPUs in its container spec, and the restore's OCI
-hook and post-restore compute the same device map from it. A restore that
-podman (or the gate at post-restore) refuses is reported with the reason
-cudahook wrote into CRIU's log and its exit code, and the container podman
-made is removed.
-
-Archives are read with the standard tarfile module: podman's `--compress`
-none or gzip (`migrate checkpoint` writes gzip unless told otherwise).
+nothing behind. The archive is outside input: one bounded pass of
+archive.py's reader checks its checksum (against ARCHIVE.sha256), its gzip
+CRC, its structure and bounds (exit 2: damaged, cut short, or holding what
+a podman checkpoint never holds), and with a trusted key its signature
+(signing.py); the checkpoint's manifest must pass this node's restore gate
+with the GPUs chosen here (`restore_gate.plan_restore`, the decision
+post-restore takes; exit codes as `cudahook check --image` gives them: 6
+when this node can never run it). The same pass writes a copy (in $TMPDIR
+or --work-dir, as large as the archive uncompressed) whose container spec
+names this node's GPUs, without the CRIU configuration the source node
+chose; the restore's OCI hook and post-restore compute the same device map
+from it. A restore that podman (or the gate at post-restore) refuses is
+reported with the reason cudahook wrote into CRIU's log and its exit code,
+and the container this restore made (and only that one) is removed.
 """
 
 from __future__ import annotations
@@ -29,16 +28,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import os
 import re
 import shlex
 import shutil
-import tarfile
+import stat
 import tempfile
-import time
-import zlib
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,7 +47,10 @@ from cudahook.platform.errors import (
     Exit,
     NotRestorableHere,
     UsageError,
+    one_line,
 )
+
+from . import archive as ar
 
 MANIFEST = "checkpoint/cudahook-manifest.json"
 SPEC_FILES = ("spec.dump", "config.dump")
@@ -65,7 +65,7 @@ class MigrateFailed(CudahookError):
     """podman failed the checkpoint or restore; the reason it or cudahook gave."""
 
     def __init__(self, message: str, code: int = Exit.FAILED):
-        super().__init__(message)
+        super().__init__(one_line(message))
         self.exit_code = Exit(code)  # type: ignore[misc]
 
 
@@ -84,8 +84,8 @@ def sidecar(archive: Path) -> Path:
     return archive.with_name(archive.name + SIDECAR)
 
 
-def verify_checksum(archive: Path) -> str:
-    """The archive's digest, checked against ARCHIVE.sha256 (sha256sum format)."""
+def expected_checksum(archive: Path) -> str:
+    """The digest ARCHIVE.sha256 (sha256sum format) says the archive has."""
     from cudahook.platform import safeio
 
     side = sidecar(archive)
@@ -95,97 +95,63 @@ def verify_checksum(archive: Path) -> str:
         raise UsageError(f"{side} is missing: the archive cannot be checked "
                          "(copy it with the archive, or --no-verify)") from None
     except (OSError, safeio.FileRefused) as exc:
-        raise UsageError(f"{side}: unreadable ({exc})") from None
+        raise UsageError(f"{side}: unreadable ({one_line(str(exc))})") from None
     want = text.split()[0].lower() if text.split() else ""
     if not re.fullmatch(r"[0-9a-f]{64}", want):
         raise UsageError(f"{side}: not a sha256 checksum")
+    return want
+
+
+def mismatch(archive: Path, got: str | None, want: str) -> UsageError:
+    return UsageError(f"{archive} does not match {sidecar(archive).name} (damaged or cut short "
+                      f"in transit): sha256 {got or 'unreadable'}, expected {want}")
+
+
+def verify_checksum(archive: Path) -> str:
+    """The archive's digest, checked against ARCHIVE.sha256."""
+    want = expected_checksum(archive)
     try:
         got = sha256_of(archive)
     except OSError as exc:
         raise UsageError(f"{archive}: unreadable ({exc.strerror})") from None
     if got != want:
-        raise UsageError(f"{archive} does not match {side.name} (damaged or cut short in "
-                         f"transit): sha256 {got}, expected {want}")
+        raise mismatch(archive, got, want)
     return got
 
 
 #: Members read into memory: the container's spec (twice) and the manifest.
-SMALL = {*SPEC_FILES, MANIFEST}
-SMALL_LIMIT = 64 << 20
+SMALL = frozenset({*SPEC_FILES, MANIFEST})
 
 
-def _members(tar: tarfile.TarFile, archive: Path) -> Iterator[tarfile.TarInfo]:
-    """The archive's members, refusing anything a podman checkpoint does not
-    hold (links, devices, paths leaving the archive)."""
-    for member in tar:
-        name = member.name.removeprefix("./")
-        if name.startswith("/") or ".." in Path(name).parts:
-            raise UsageError(f"{archive}: member {member.name!r} leaves the archive")
-        if not (member.isreg() or member.isdir()):
-            raise UsageError(f"{archive}: member {member.name!r} is not a file or directory")
-        yield member
-
-
-@contextlib.contextmanager
-def _reading(archive: Path) -> Iterator[None]:
-    """Read errors of a damaged or truncated archive, as one clean refusal."""
+def scan(archive: Path, copy_to: Path | None = None, *,
+         max_bytes: int = ar.DEFAULT_MAX_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
+         room: int | None = None) -> ar.Scan:
+    """Read the whole archive once (archive.py: bounded, strict, the gzip
+    CRC checked at its end), refusing what a checkpoint never holds - a copy
+    damaged or cut short fails here, before anything is restored. With
+    `copy_to`, the same pass copies every member but the spec files into
+    that new uncompressed tar; `finish_copy` adds those."""
+    if copy_to is None:
+        return ar.scan(archive, small=SMALL, max_bytes=max_bytes, timeout_s=timeout_s)
+    fd = os.open(copy_to, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
     try:
-        yield
+        with open(fd, "wb", buffering=CHUNK) as copy:
+            return ar.scan(archive, small=SMALL, skip_in_copy=frozenset(SPEC_FILES), copy=copy,
+                           room=room, max_bytes=max_bytes, timeout_s=timeout_s)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             raise EnvironmentProblem(f"cannot write the restore's copy of {archive.name}: "
                                      f"{exc.strerror}") from None
-        raise UsageError(f"{archive}: not a complete checkpoint archive ({exc})") from None
-    except (tarfile.TarError, EOFError, zlib.error) as exc:
-        raise UsageError(f"{archive}: not a complete checkpoint archive ({exc})") from None
-
-
-def scan(archive: Path, copy_to: Path | None = None) -> dict[str, bytes]:
-    """Read the whole archive (every member's data: a gzip stream's checksum
-    is checked at its end), refusing what a checkpoint never holds and any
-    read error - a copy damaged or cut short fails here, before anything is
-    restored. Returns the small members cudahook reads. With `copy_to`, the
-    same pass copies every member but the spec files into that uncompressed
-    tar (one read of a large archive, not two); `finish_copy` adds those."""
-    small: dict[str, bytes] = {}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_reading(archive))
-        tar = stack.enter_context(tarfile.open(archive, "r:*"))
-        dst = stack.enter_context(tarfile.open(copy_to, "w")) if copy_to else None
-        for member in _members(tar, archive):
-            name = member.name.removeprefix("./")
-            if not member.isreg():
-                if dst is not None:
-                    dst.addfile(member)
-                continue
-            f = tar.extractfile(member)
-            assert f is not None
-            if name in SMALL:
-                if member.size > SMALL_LIMIT:
-                    raise UsageError(f"{archive}: {name} is {member.size} bytes, past "
-                                     f"{SMALL_LIMIT}")
-                small[name] = f.read()
-                if dst is not None and name not in SPEC_FILES:
-                    dst.addfile(member, io.BytesIO(small[name]))
-            elif dst is not None:
-                dst.addfile(member, f)
-            else:
-                while f.read(CHUNK):
-                    pass
-        # To the end of the stream: gzip checks its CRC only there.
-        assert tar.fileobj is not None
-        while tar.fileobj.read(CHUNK):
-            pass
-    return small
+        raise
 
 
 def finish_copy(copy: Path, specs: dict[str, bytes]) -> None:
-    """Add the container's spec files to the copy `scan` made."""
-    with tarfile.open(copy, "a") as dst:
+    """Add the container's spec files to the copy `scan` made, and its end."""
+    with open(copy, "ab") as dst:
         for name, data in specs.items():
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
-            dst.addfile(info, io.BytesIO(data))
+            ar.add_file(dst, name, data)
+        ar.end_copy(dst)
 
 
 def set_visible(spec: dict[str, Any], gpus: Sequence[str]) -> None:
@@ -218,19 +184,61 @@ def set_visible(spec: dict[str, Any], gpus: Sequence[str]) -> None:
                 del notes[key]
 
 
-def retarget(small: dict[str, bytes], gpus: Sequence[str]) -> dict[str, bytes]:
-    """The container's spec, which podman keeps twice (spec.dump, and inside
-    config.dump), naming this node's GPUs: the new contents of both."""
-    out = {}
+#: Annotations that choose CRIU's configuration (and with it which action
+#: scripts run): the operator's on each node, never carried in an archive.
+CRIU_CONFIG_ANNOTATIONS = ("org.criu.config", "cudahook.io/criu-config")
+#: The restore's own mark on the container podman creates: removed after a
+#: failure only when it carries this run's token. Not under cudahook.io/,
+#: whose keys the OCI hook reads as options.
+TOKEN_ANNOTATION = "cudahook-migrate/restore-token"
+
+
+def _specs(small: dict[str, bytes]) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """(file, its JSON, the OCI spec in it) for spec.dump and config.dump."""
     for name in SPEC_FILES:
         try:
             data = json.loads(small[name])
-        except (KeyError, ValueError) as exc:
-            raise UsageError(f"{name} in the archive is unreadable ({exc})") from None
+        except (KeyError, ValueError, RecursionError) as exc:
+            raise UsageError(f"{name} in the archive is unreadable "
+                             f"({one_line(str(exc), 200)})") from None
         spec = data if name == "spec.dump" else data.get("spec") if isinstance(data, dict) else None
         if not isinstance(spec, dict):
             raise UsageError(f"{name} in the archive holds no container spec")
-        set_visible(spec, gpus)
+        process = spec.get("process", {})
+        if not isinstance(process, dict) or not isinstance(process.get("env", []), list) \
+                or not all(isinstance(e, str) for e in process.get("env") or []):
+            raise UsageError(f"{name} in the archive: the spec's process environment is not a "
+                             "list of strings")
+        yield name, data, spec
+
+
+def carried_criu_config(small: dict[str, bytes]) -> list[str]:
+    """The CRIU-configuration annotations the archive's spec carries (dropped)."""
+    found: set[str] = set()
+    for _, _, spec in _specs(small):
+        notes = spec.get("annotations")
+        if isinstance(notes, dict):
+            found |= {k for k in CRIU_CONFIG_ANNOTATIONS if k in notes}
+    return sorted(found)
+
+
+def retarget(small: dict[str, bytes], gpus: Sequence[str] | None,
+             token: str | None = None) -> dict[str, bytes]:
+    """The container's spec, which podman keeps twice (spec.dump, and inside
+    config.dump): naming this node's GPUs (`gpus`; None: as it is), without
+    the CRIU-configuration annotations of the node it came from, marked with
+    this restore's `token`. The new contents of both."""
+    out = {}
+    for name, data, spec in _specs(small):
+        if gpus is not None:
+            set_visible(spec, gpus)
+        notes = spec.get("annotations")
+        if notes is not None and not isinstance(notes, dict):
+            raise UsageError(f"{name} in the archive: annotations are not a map")
+        for key in CRIU_CONFIG_ANNOTATIONS:
+            (notes or {}).pop(key, None)
+        if token:
+            spec.setdefault("annotations", {})[TOKEN_ANNOTATION] = token
         out[name] = json.dumps(data).encode()
     return out
 
@@ -267,11 +275,29 @@ def plan(ctx: Any, data: dict[str, Any], wanted: Sequence[str] | None
     from cudahook.hooks.restore_gate import plan_restore
 
     source = [str(u) for u in data.get("gpus") or []]
-    node = [g.uuid for g in query_gpus(ctx.host, ctx.settings)]
-    targets = choose_gpus(source, node, wanted)
-    # The record the OCI hook will write at restore names exactly these.
-    mapping = plan_restore(ctx, {"visible": targets}, ann.Options(), data)
+    try:
+        node = [g.uuid for g in query_gpus(ctx.host, ctx.settings)]
+        targets = choose_gpus(source, node, wanted)
+        # The record the OCI hook will write at restore names exactly these.
+        mapping = plan_restore(ctx, {"visible": targets}, ann.Options(), data)
+    except CudahookError as exc:
+        if exc.reason is None:
+            raise
+        raise as_check(exc) from exc
     return targets, mapping
+
+
+def as_check(exc: CudahookError) -> CudahookError:
+    """A refusal of the restore gate with the exit code `cudahook check
+    --image` gives for the same reason: 6 when no retry on this node can
+    change it, else 1 (the hooks' own codes, e.g. 5, stay the hooks')."""
+    from cudahook.platform.reasons import REASONS
+
+    reason = REASONS.get(exc.reason or "")
+    code = Exit.NOT_HERE if reason is not None and reason.never_here else Exit.FAILED
+    out = MigrateFailed(str(exc), code)
+    out.reason = exc.reason
+    return out
 
 
 # -- podman --------------------------------------------------------------------
@@ -317,33 +343,62 @@ def _run(ctx: Any, podman: Sequence[str], args: Sequence[str], timeout: float) -
 
 def checkpoint(ctx: Any, podman: Sequence[str], container: str, archive: Path, *,
                leave_running: bool = False, compress: str = "gzip",
-               timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Checkpoint `container` into `archive` (and its checksum beside it)."""
-    if archive.exists() or sidecar(archive).exists():
-        raise UsageError(f"{archive} (or its {SIDECAR}) exists already: not overwritten")
+               timeout: float = DEFAULT_TIMEOUT_S, sign_key: Path | None = None
+               ) -> dict[str, Any]:
+    """Checkpoint `container` into `archive` (its checksum beside it, and
+    with `sign_key` its signature)."""
+    from . import signing
+
+    existing = [p for p in (archive, sidecar(archive), signing.signature_path(archive))
+                if os.path.lexists(p)]
+    if existing:
+        raise UsageError(f"{existing[0]} exists already: not overwritten")
+    # Before podman stops anything: a key that cannot sign refuses now.
+    key = signing.load_private(sign_key) if sign_key is not None else None
     partial = archive.with_name(archive.name + ".partial")
     partial.unlink(missing_ok=True)
-    args = ["container", "checkpoint", "--export", str(partial), "--compress", compress]
+    args = ["container", "checkpoint", f"--export={partial}", "--compress", compress]
     if leave_running:
         args.append("--leave-running")
-    res = _run(ctx, podman, [*args, container], timeout)
-    if not res.ok:
-        partial.unlink(missing_ok=True)
-        reason, code = _podman_reason(res)
-        raise MigrateFailed(f"checkpoint of {container} failed: {reason}", code)
-    digest = sha256_of(partial)
-    os.replace(partial, archive)
+    with _interruptible() as deferred:
+        try:
+            # A signal now waits for podman: the container may be stopped
+            # already, and its only copy is the archive podman is writing.
+            deferred.hold = True
+            try:
+                res = _run(ctx, podman, [*args, "--", container], timeout)
+            finally:
+                deferred.hold = False
+            if not res.ok:
+                reason, code = _podman_reason(res)
+                raise MigrateFailed(f"checkpoint of {ar.show(container)} failed: {reason}", code)
+            try:
+                st = partial.lstat()
+            except FileNotFoundError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode):
+                raise MigrateFailed(f"podman reported the checkpoint of {ar.show(container)} "
+                                    f"done but wrote no archive ({partial.name})")
+            digest = sha256_of(partial)
+            size = st.st_size
+            os.replace(partial, archive)
+        finally:
+            partial.unlink(missing_ok=True)
+    signed = None
+    if key is not None:
+        signed = str(signing.sign(archive, digest, size, container, key))
     # Written last: an archive with its checksum beside it is complete.
     write_atomic(sidecar(archive), f"{digest}  {archive.name}\n".encode(), 0o644)
     data = _peek_manifest(archive)
     return {"container": container, "archive": str(archive), "sha256": digest,
-            "bytes": archive.stat().st_size, "gpus": (data or {}).get("gpus"),
-            "leave_running": leave_running}
+            "bytes": size, "gpus": (data or {}).get("gpus"),
+            "leave_running": leave_running, "signature": signed}
 
 
 def _manifest(small: dict[str, bytes]) -> dict[str, Any] | None:
     """The checkpoint's manifest, read and checked as the restore gate reads
-    it (None: the checkpoint holds no CUDA state)."""
+    it (None: the checkpoint holds no CUDA state). Unreadable: exit 6, as
+    `cudahook check --image` says (MANIFEST_UNREADABLE)."""
     from cudahook.core import manifest
 
     if MANIFEST not in small:
@@ -352,21 +407,34 @@ def _manifest(small: dict[str, bytes]) -> dict[str, Any] | None:
         path = Path(d, MANIFEST)
         path.parent.mkdir()
         path.write_bytes(small[MANIFEST])
-        return manifest.read(path.parent)
+        try:
+            return manifest.read(path.parent)
+        except manifest.ManifestError as exc:
+            raise NotRestorableHere(one_line(str(exc)), reason="MANIFEST_UNREADABLE") from exc
+
+
+def verify_files(data: dict[str, Any], hashed: dict[str, tuple[str, int]]) -> None:
+    """cudahook's own files the manifest names, as the archive holds them:
+    exit 6 when one is missing or changed (IMAGE_FILE_MISSING,
+    IMAGE_CHECKSUM), as `cudahook check --image` says."""
+    for name, want in sorted((data.get("files") or {}).items()):
+        got = hashed.get(f"checkpoint/{name}")
+        if got is None:
+            raise NotRestorableHere(f"{ar.show(name)}: missing from the archive's image",
+                                    reason="IMAGE_FILE_MISSING")
+        if got != (want.get("sha256"), want.get("size")):
+            raise NotRestorableHere(f"{ar.show(name)}: sha256 or size differs from the "
+                                    "manifest's", reason="IMAGE_CHECKSUM")
 
 
 def _peek_manifest(archive: Path) -> dict[str, Any] | None:
     """The manifest of an archive just written, for the report: read up to it
     only (podman writes members in name order: it comes before the pages)."""
     try:
-        with tarfile.open(archive, "r:*") as tar:
-            for member in tar:
-                if member.name.removeprefix("./") == MANIFEST and member.isreg():
-                    f = tar.extractfile(member)
-                    return _manifest({MANIFEST: f.read(SMALL_LIMIT)}) if f else None
-    except (CudahookError, tarfile.TarError, OSError, EOFError, zlib.error):
-        pass
-    return None
+        data = ar.read_member(archive, MANIFEST, ar.SMALL_LIMIT)
+        return _manifest({MANIFEST: data}) if data is not None else None
+    except CudahookError:
+        return None
 
 
 def _need_image(ctx: Any, podman: Sequence[str], config: dict[str, Any]) -> None:
@@ -375,74 +443,254 @@ def _need_image(ctx: Any, podman: Sequence[str], config: dict[str, Any]) -> None
     image_id = str(config.get("rootfsImageID") or "")
     if not image_id:
         return  # a container made from a rootfs directory: nothing to look for
-    if _run(ctx, podman, ["image", "exists", image_id], 60).returncode != 0:
+    if not re.fullmatch(r"[0-9a-f]{64}", image_id):
+        raise UsageError(f"config.dump in the archive: image ID {ar.show(image_id)} is not one")
+    if _run(ctx, podman, ["image", "exists", "--", image_id], 60).returncode != 0:
         what = str(config.get("rootfsImageName") or config.get("RawImageName") or "its image")
-        raise EnvironmentProblem(f"the checkpoint's image {what} (ID {image_id[:12]}) is not on "
-                                 "this node: pull that image (the same ID) first")
+        raise EnvironmentProblem(f"the checkpoint's image {ar.show(what)[1:-1]} (ID "
+                                 f"{image_id[:12]}) is not on this node: pull that image (the "
+                                 "same ID) first")
+
+
+#: podman's rule for a container name (and a cap: it goes on podman's command line and is printed).
+NAME_RE = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,252}")
 
 
 def _exists(ctx: Any, podman: Sequence[str], name: str) -> bool:
-    return bool(_run(ctx, podman, ["container", "exists", name], 60).returncode == 0)
+    return bool(_run(ctx, podman, ["container", "exists", "--", name], 60).returncode == 0)
+
+
+def _remove_own(ctx: Any, podman: Sequence[str], name: str, token: str) -> str | None:
+    """Remove the container named `name` only if it is the one this restore
+    made (it carries `token`): a container someone else created meanwhile
+    under that name (why podman failed, maybe) stays. Its ID, if removed."""
+    fmt = f'{{{{.Id}}}} {{{{index .Config.Annotations "{TOKEN_ANNOTATION}"}}}}'
+    res = _run(ctx, podman, ["container", "inspect", "--format", fmt, "--", name], 60)
+    words = (res.stdout or "").split() if res.ok else []
+    if len(words) != 2 or words[1] != token or not re.fullmatch(r"[0-9a-f]{64}", words[0]):
+        return None
+    _run(ctx, podman, ["rm", "-f", "-t", "0", "--", words[0]], 120)
+    return words[0]
+
+
+# -- work directories ----------------------------------------------------------
+
+WORK_PREFIX = "cudahook-migrate-"
+#: cudahook-migrate-<owner pid>-<its start time>-<random>
+WORK_RE = re.compile(r"cudahook-migrate-([0-9]+)-([0-9]+)-[A-Za-z0-9_]+")
+
+
+def make_work(ctx: Any, parent: Path) -> Path:
+    """A private work directory whose name says which process owns it."""
+    pid = os.getpid()
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{pid}-{ctx.host.start_time(pid)}-",
+                                     dir=parent))
+    except OSError as exc:
+        raise EnvironmentProblem(f"cannot make a work directory in {parent}: {exc.strerror}"
+                                 ) from None
+
+
+def sweep_stale(ctx: Any, parent: Path) -> list[str]:
+    """Remove the work directories of migrate runs that died (killed before
+    they could clean up): named as `make_work` names them, directories (not
+    links), this user's, their owner process gone. Nothing else is touched."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for e in entries:
+        m = WORK_RE.fullmatch(e.name)
+        if not m:
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        if ctx.host.alive(int(m.group(1)), int(m.group(2))):
+            continue
+        shutil.rmtree(e.path, ignore_errors=True)
+        removed.append(e.path)
+    return removed
+
+
+class _Deferred:
+    """Signals that came while podman worked (see `_interruptible`)."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.hold = False
+
+    def __bool__(self) -> bool:
+        return bool(self.signals)
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[_Deferred]:
+    """SIGTERM and SIGINT end the run through its `finally` blocks (work
+    directory and partial files removed), as Ctrl-C does. Python's default
+    for SIGTERM would end it without them. While `hold` is set (podman is
+    restoring: stopping the wait would leave its container to chance), a
+    signal is only noted; the caller acts on it once podman returned."""
+    import signal
+    import threading
+
+    deferred = _Deferred()
+    if threading.current_thread() is not threading.main_thread():
+        yield deferred
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        if deferred.hold:
+            deferred.signals.append(signum)
+            return
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield deferred
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# -- restore -------------------------------------------------------------------
+
+
+def _limits(ctx: Any) -> tuple[int, bool, str | None]:
+    s = ctx.settings
+    return (int(getattr(s, "migrate_max_unpacked_bytes", None) or ar.DEFAULT_MAX_BYTES),
+            bool(getattr(s, "migrate_require_signature", False)),
+            getattr(s, "migrate_trusted_keys_dir", None))
 
 
 def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None = None,
             gpus: Sequence[str] | None = None, verify: bool = True,
             timeout: float = DEFAULT_TIMEOUT_S, work_dir: str | None = None,
-            dry_run: bool = False) -> dict[str, Any]:
+            dry_run: bool = False, verify_keys: Sequence[Path] = ()) -> dict[str, Any]:
     """Restore the container in `archive` on this node, onto this node's GPUs
     (`dry_run`: every check, then stop before writing or restoring anything)."""
+    from cudahook.platform import eventlog
+
+    from . import signing
+
     if not archive.is_file():
         raise UsageError(f"{archive}: no such archive")
-    digest = verify_checksum(archive) if verify else None
-    try:
-        work = Path(tempfile.mkdtemp(prefix="cudahook-migrate-", dir=work_dir))
-    except OSError as exc:
-        where = work_dir or tempfile.gettempdir()
-        raise EnvironmentProblem(f"cannot make a work directory in {where}: {exc.strerror}"
-                                 ) from None
-    try:
-        copy = work / "restore.tar"
-        small = scan(archive, copy_to=None if dry_run else copy)
-        for required in SPEC_FILES:
-            if required not in small:
-                raise UsageError(f"{archive}: not a podman checkpoint archive (no {required})")
-        data = _manifest(small)
-        targets: list[str] | None = None
-        mapping = None
-        if data is not None:
-            targets, mapping = plan(ctx, data, gpus)
-        elif gpus:
-            raise UsageError("--gpus: the checkpoint holds no CUDA state")
+    if name is not None and not NAME_RE.fullmatch(name):
+        raise UsageError(f"--name {ar.show(name)}: not a container name")
+    max_bytes, require, keys_dir = _limits(ctx)
+    want = expected_checksum(archive) if verify else None
+    keys = signing.trusted_keys(list(verify_keys), keys_dir)
+    has_sig = os.path.lexists(signing.signature_path(archive))
+    if (require or verify_keys) and not has_sig:
+        raise signing.SignatureRefused(
+            f"{archive.name}{signing.SIG} is missing: the archive's origin cannot be proven"
+            + (" (migrate_require_signature)" if require else ""))
+    if require and not keys:
+        raise signing.SignatureRefused("migrate_require_signature is set but no trusted key "
+                                       "(--verify-key, migrate_trusted_keys_dir)")
+    parent = Path(work_dir or tempfile.gettempdir())
+    if not parent.is_dir():
+        raise EnvironmentProblem(f"cannot make a work directory in {parent}: no such directory")
+    sweep_stale(ctx, parent)
+    token = uuid.uuid4().hex
+    with _interruptible() as deferred:
+        work = None if dry_run else make_work(ctx, parent)
         try:
-            config = json.loads(small["config.dump"])
-            final = name or str(config.get("name") or "")
-        except (ValueError, AttributeError):
-            raise UsageError("config.dump in the archive is unreadable") from None
-        if final and _exists(ctx, podman, final):
-            raise UsageError(f"a container named {final} exists on this node "
-                             "(--name gives the restored one another)")
-        _need_image(ctx, podman, config)
-        if dry_run:
-            return {"archive": str(archive), "sha256": digest, "container": final,
-                    "gpus": targets, "source_gpus": (data or {}).get("gpus"),
-                    "device_map": mapping, "dry_run": True}
-        # The copy's spec names this node's GPUs: the archive stays as it came.
-        finish_copy(copy, retarget(small, targets) if targets is not None
-                    else {k: small[k] for k in SPEC_FILES})
-        args = ["container", "restore", "--import", str(copy)]
-        if name:
-            args += ["--name", name]
-        res = _run(ctx, podman, args, timeout)
-        if not res.ok:
-            reason, code = _podman_reason(res)
-            # Nothing half-restored stays: the archive is unchanged, retry freely.
+            copy = work / "restore.tar" if work else None
+            room = ar.free_bytes(work) - ar.RESERVE if work else None
+            try:
+                found = scan(archive, copy, max_bytes=max_bytes, timeout_s=timeout, room=room)
+            except ar.ArchiveRefused as exc:
+                # A copy damaged in transit fails its checksum: say that.
+                if want is not None and not isinstance(exc, ar.ReadTimedOut):
+                    got = ar.rest_sha256(archive, timeout)
+                    if got is not None and got != want:
+                        raise mismatch(archive, got, want) from exc
+                raise
+            if want is not None and found.sha256 != want:
+                raise mismatch(archive, found.sha256, want)
+            verified = (["sha256 (" + sidecar(archive).name + ")"] if want else []) + \
+                ["tar structure and bounds"] + \
+                (["gzip CRC"] if archive_is_gzip(archive) else [])
+            origin = None
+            if has_sig and keys:
+                origin = signing.verify(archive, keys, found.sha256, found.raw_bytes)
+                verified.append(f"origin (signed by {origin['key_id']})")
+            for required in SPEC_FILES:
+                if required not in found.small:
+                    raise UsageError(f"{archive}: not a podman checkpoint archive "
+                                     f"(no {required})")
+            data = _manifest(found.small)
+            targets: list[str] | None = None
+            mapping = None
+            if data is not None:
+                verify_files(data, found.hashed)
+                targets, mapping = plan(ctx, data, gpus)
+                verified.append("restore gate")
+            elif gpus:
+                raise UsageError("--gpus: the checkpoint holds no CUDA state")
+            try:
+                config = json.loads(found.small["config.dump"])
+                final = name or str(config.get("name") or "")
+            except (ValueError, AttributeError, RecursionError):
+                raise UsageError("config.dump in the archive is unreadable") from None
+            if final and not NAME_RE.fullmatch(final):
+                raise UsageError(f"config.dump in the archive names the container "
+                                 f"{ar.show(final)}: not a container name (--name gives the "
+                                 "restored one another)")
             if final and _exists(ctx, podman, final):
-                _run(ctx, podman, ["rm", "-f", "-t", "0", final], 120)
-            raise MigrateFailed(f"restore of {archive.name} failed: {reason}", code)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return {"archive": str(archive), "sha256": digest, "container": final or res.stdout.strip(),
-            "gpus": targets, "source_gpus": (data or {}).get("gpus"), "device_map": mapping}
+                raise UsageError(f"a container named {final} exists on this node "
+                                 "(--name gives the restored one another)")
+            _need_image(ctx, podman, config)
+            dropped = carried_criu_config(found.small)
+            not_verified = [] if origin else [
+                "origin (" + ("signature present, no trusted key: --verify-key" if has_sig
+                              else "unsigned") + ")"]
+            result = {"archive": str(archive), "sha256": found.sha256, "container": final,
+                      "gpus": targets, "source_gpus": (data or {}).get("gpus"),
+                      "device_map": mapping, "verified": verified,
+                      "not_verified": not_verified, "signature": origin,
+                      "dropped_annotations": dropped}
+            if dry_run:
+                return {**result, "dry_run": True}
+            assert copy is not None
+            # The copy's spec names this node's GPUs: the archive stays as it came.
+            finish_copy(copy, retarget(found.small, targets, token))
+            if dropped:
+                eventlog.log(ctx.settings.log_file, "migrate_restore", archive=str(archive),
+                             dropped_annotations=dropped,
+                             note="CRIU configuration comes from this node's operator")
+            args = ["container", "restore", f"--import={copy}"]
+            if name:
+                args.append(f"--name={name}")
+            deferred.hold = True
+            try:
+                res = _run(ctx, podman, args, timeout)
+            finally:
+                deferred.hold = False
+            if not res.ok:
+                reason, code = _podman_reason(res)
+                # Nothing half-restored stays: the archive is unchanged, retry
+                # freely. Only the container this restore made goes.
+                if final:
+                    _remove_own(ctx, podman, final, token)
+                raise MigrateFailed(f"restore of {archive.name} failed: {reason}", code)
+        finally:
+            if work is not None:
+                shutil.rmtree(work, ignore_errors=True)
+    return {**result, "container": final or res.stdout.strip()}
+
+
+def archive_is_gzip(archive: Path) -> bool:
+    try:
+        with open(archive, "rb") as f:
+            return f.read(2) == ar.GZIP_MAGIC
+    except OSError:
+        return False
 
 
 def podman_argv(text: str) -> list[str]:

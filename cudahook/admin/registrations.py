@@ -60,7 +60,7 @@ def executables(kind: str, data: bytes) -> list[str]:
     """The executables of cudahook that a registration file's content names."""
     text = data.decode(errors="replace")
     if kind == "criu":
-        return [s for s in action_scripts(text) if s.endswith("/" + ACTION_NAME)]
+        return [s for s in action_scripts(text) if criuconf.names_action(s)]
     if kind == "containerd":
         m = _DROPIN_PATH.search(text) if "cudahook" in text else None
         return [f"{m.group(1)}/runc"] if m else []
@@ -95,11 +95,11 @@ def strip(kind: str, data: bytes, drop: Callable[[str], bool],
         for line in lines:
             if line.startswith(criuconf.GPU_ONLY):  # gpu-only's comment names the script
                 named = line[len(criuconf.GPU_ONLY):].split(" (", 1)[0].strip()
-                if criuconf.is_ours(named) and drop(named):
+                if criuconf.names_action(named) and drop(named):
                     continue
             words = line.split(None, 1)
             if (len(words) == 2 and words[0] == "action-script"
-                    and words[1].strip().strip('"').endswith("/" + ACTION_NAME)
+                    and criuconf.names_action(words[1].strip().strip('"'))
                     and drop(words[1].strip().strip('"'))):
                 if keep and keep[-1].rstrip("\n") == CRIU_COMMENT:
                     keep.pop()

@@ -16,9 +16,9 @@ import re
 from cudahook.platform.errors import DeviceMapError
 
 _HEX = r"[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}"
-_UUID = re.compile(rf"^GPU-{_HEX}$")
+_UUID = re.compile(rf"^GPU-{_HEX}\Z")
 # MIG instances: MIG-<uuid> (R470+) or the older MIG-GPU-<uuid>/<gi>/<ci>.
-_MIG = re.compile(rf"^MIG-({_HEX}|GPU-{_HEX}/[0-9]+/[0-9]+)$")
+_MIG = re.compile(rf"^MIG-({_HEX}|GPU-{_HEX}/[0-9]+/[0-9]+)\Z")
 
 
 def check_uuid(uuid: str) -> str:

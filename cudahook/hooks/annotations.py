@@ -81,8 +81,9 @@ def parse(annotations: dict[str, str] | None) -> Options:
     if unknown:
         raise UsageError(f"unknown annotation {PREFIX}{unknown[0]} "
                          f"(known: {', '.join(PREFIX + k for k in known)})")
-    # The schema's patterns end in "$", which Python's re (unlike JSON Schema's
-    # ECMA dialect) also matches before a trailing newline: refuse such values here.
+    # The schema's patterns end in \Z (Python's "$" also matches before a
+    # trailing newline); a control character anywhere is refused here first,
+    # with the value named.
     for k, v in raw.items():
         if isinstance(v, str) and not v.isprintable():
             raise UsageError(f"annotation {PREFIX}{k}: {v!r} holds a control character")

@@ -406,8 +406,13 @@ def keep_vmm_state(call: CriuCall, criu_run: CriuRun) -> None:
 def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
     if call.image_dir is None:
         raise UsageError("post-restore: CRTOOLS_IMAGE_DIR is not set")
-    # 1. Only a checkpoint that holds CUDA state carries a manifest.
-    data = manifest.read(call.image_dir)
+    # 1. Only a checkpoint that holds CUDA state carries a manifest. One
+    #    that is there but unreadable is the checks' MANIFEST_UNREADABLE
+    #    (exit 6, as for `cudahook check --image`), not bad input.
+    try:
+        data = manifest.read(call.image_dir)
+    except manifest.ManifestError:
+        data = {}
     if data is None:
         return Exit.OK
     # 2. The restore checks of `cudahook check --image` (hooks/checks.py): the

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-_DEVICE = re.compile(r"^/dev/nvidia(\d+)$")
+_DEVICE = re.compile(r"^/dev/nvidia(\d+)\Z")
 
 
 def visible_devices(env: list[str], annotations: dict[str, str], devices: Any) -> list[str]:

@@ -30,6 +30,9 @@ STAGES = (*CREATE_STAGES, "poststart", "poststop")
 # Run inside the container's namespaces, where the host's /proc, state
 # directory and tools are not what they seem.
 REFUSED_STAGES = ("createContainer", "startContainer")
+# cudahook.io/criu-config without its prefix (criuconf.BASE_ANNOTATION; criuconf
+# itself is not imported on this path).
+WRAPPER_NOTE = "criu-config"
 
 
 def main(argv: list[str]) -> int:
@@ -56,8 +59,11 @@ def _stage(argv: list[str]) -> str:
 
 def _read_stdin() -> str:
     """At most MAX_STATE + 1 bytes of stdin (read_state refuses more), as
-    UTF-8 text (RFC 8259)."""
-    data = sys.stdin.buffer.read(oci_state.MAX_STATE + 1)
+    UTF-8 text (RFC 8259). The shell hook hands on the state with a newline
+    added: one trailing newline is not counted."""
+    data = sys.stdin.buffer.read(oci_state.MAX_STATE + 2)
+    if data.endswith(b"\n"):
+        data = data[:-1]
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -76,9 +82,17 @@ def _pid(state: dict) -> int | None:  # type: ignore[type-arg]
 
 def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
     info = oci_bundle.read_bundle(state["bundle"])
-    opts = ann.parse(info.annotations) if ann.ours(info.annotations) else ann.Options()
-    if opts.enabled is False or not (info.wants_gpu or opts.enabled):
+    raw = ann.ours(info.annotations)
+    # The runtime wrapper's own note of the container's CRIU configuration
+    # (criuconf.BASE_ANNOTATION): no option of the hooks, never checked here,
+    # so an odd value (which runc itself never minds) cannot stop a container.
+    raw.pop(WRAPPER_NOTE, None)
+    # A container cudahook leaves alone runs as it would without cudahook:
+    # its cudahook.io/ annotations are only read for one cudahook tracks.
+    if raw.get("enabled") == "false" or not (info.wants_gpu or raw.get("enabled") == "true"):
         return Exit.OK
+    if raw:  # a bad option of a tracked container: one line at create, not at checkpoint
+        ann.parse({ann.PREFIX + k: v for k, v in raw.items()})
     # Only what cudahook uses is checked: a detail of the runtime-spec
     # schema it does not use must not stop a container.
     from cudahook.platform import config
@@ -110,7 +124,7 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
             pid=pid,
             pid_start=start,
             status=state.get("status") if isinstance(state.get("status"), str) else None,
-            options=ann.ours(info.annotations),
+            options=raw,
             visible=info.visible,
             snapshot_control=info.snapshot_control,
             updated=time.time(),

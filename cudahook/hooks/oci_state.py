@@ -36,4 +36,6 @@ def read_state(text: str) -> dict[str, Any]:
     for key in ("id", "bundle"):
         if not isinstance(state.get(key), str) or not state[key]:
             raise UsageError(f"container state has no {key!r}")
+        if "\0" in state[key]:  # no path or id holds one; os calls would refuse it
+            raise UsageError(f"container state: {key} holds a NUL character")
     return state

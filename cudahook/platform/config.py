@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from . import configcache, paths
-from .errors import ConfigError
+from .errors import ConfigError, CudahookError, one_line
 from .record import Record
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -63,6 +63,12 @@ class Settings(Record, frozen=True):
     # Prometheus metrics for node_exporter's textfile collector; None: under
     # the state directory. "" turns them off.
     metrics_file: str | None = None
+    # `cudahook migrate restore` (admin/migrate.py, admin/archive.py): the most
+    # an archive may unpack to; whether an archive must carry a signature by
+    # a trusted key; a directory of trusted public keys (*.pub).
+    migrate_max_unpacked_bytes: int = 256 << 30
+    migrate_require_signature: bool = False
+    migrate_trusted_keys_dir: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -96,55 +102,148 @@ def config_dir() -> Path:
     return Path(sys.prefix) / "share" / "cudahook" / "config"
 
 
+# Schema errors looked at, at most: each renders its (bounded) value.
+MAX_ERRORS = 100
+
+
 def validate(data: Any, schema_name: str, what: str) -> None:
+    """`data` against config/`schema_name`, or ConfigError in one line.
+
+    JSON Schema cannot tell NaN or infinity from a number (every comparison
+    with NaN is false, so `.nan` passes any minimum and maximum): those are
+    refused here, for every schema."""
+    import itertools
     import json
 
     import jsonschema
 
+    bad = _not_finite(data)
+    if bad is not None:
+        raise ConfigError(f"{what}: {bad or '(top level)'}: not a finite number")
     schema = json.loads((config_dir() / schema_name).read_text())
     validator = jsonschema.Draft202012Validator(
         schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
     )
-    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    errors = sorted(itertools.islice(validator.iter_errors(data), MAX_ERRORS),
+                    key=lambda e: list(e.absolute_path))
     if errors:
         err = errors[0]
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
-        raise ConfigError(f"{what}: {where}: {err.message}")
+        raise ConfigError(one_line(f"{what}: {one_line(where, 200)}: {err.message}", 500))
+
+
+def _not_finite(data: Any) -> str | None:
+    """The path of the first NaN or infinite float in `data`, if any
+    ("" for `data` itself). Iterative: any depth the parser allowed."""
+    import math
+
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return where
+        if isinstance(item, dict):
+            stack += ((f"{where}/{k}".lstrip("/"), v) for k, v in item.items())
+        elif isinstance(item, list):
+            stack += ((f"{where}/{i}".lstrip("/"), v) for i, v in enumerate(item))
+    return None
+
+
+# A configuration is a few kilobytes: a file past this is not one (and
+# /dev/zero, a FIFO or a directory is no file at all).
+MAX_BYTES = 1 << 20
+READ_TIMEOUT_S = 10.0
+
+
+def _read(target: Path) -> bytes:
+    """The file's bytes: a regular file, capped, under a deadline. The
+    operator's own symlinks (a Kubernetes ConfigMap mount is one) are
+    followed to their end, which must then be a regular file."""
+    try:
+        real = os.path.realpath(target)
+        # No file at all (the default path on most nodes) is told by one
+        # stat: safeio's deadline thread is only paid for a file to read.
+        os.stat(real)
+        from . import safeio
+
+        return safeio.read_bytes(real, MAX_BYTES, READ_TIMEOUT_S)
+    except FileNotFoundError:
+        raise
+    except CudahookError as exc:  # safeio.FileRefused
+        raise ConfigError(one_line(f"{target}: {str(exc).rpartition(': ')[2]}")) from None
+    except OSError as exc:
+        raise ConfigError(one_line(f"{target}: {exc.strerror or exc}")) from None
+    except ValueError:  # a NUL in the path
+        raise ConfigError(one_line(f"{target}: not a valid path")) from None
+
+
+def parse_yaml(raw: bytes, what: str) -> Any:
+    """`raw` as YAML, in bounded time and memory, or ConfigError in one line.
+
+    Strict UTF-8. Anchors and aliases are refused before anything is built:
+    ten nested aliases expand to billions of nodes (an "alias bomb"), and a
+    configuration never needs them. A number past Python's digit limit, or
+    nesting past the recursion limit, is one more malformed file."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(one_line(f"{what}: not UTF-8 (byte {exc.start})")) from None
+    import yaml
+
+    # libyaml (PyYAML's C parser) refuses nesting past 1000 levels at once;
+    # PyYAML's pure-Python scanner takes quadratic time on deep flow nesting
+    # (a few hundred KiB of "[" run for minutes): the C parser when present.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                line = event.start_mark.line + 1 if event.start_mark else "?"
+                raise ConfigError(one_line(
+                    f"{what}: line {line}: YAML anchors and aliases are not allowed"))
+        return yaml.load(text, Loader=loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(one_line(f"{what}:{where} not valid YAML")) from None
+    except ConfigError:
+        raise
+    except RecursionError:
+        raise ConfigError(one_line(f"{what}: nested too deeply")) from None
+    except ValueError as exc:
+        if "digits" in str(exc):  # int(): past sys.get_int_max_str_digits()
+            raise ConfigError(one_line(f"{what}: a number with too many digits")) from None
+        raise ConfigError(one_line(f"{what}: a value YAML cannot read ({exc})", 300)) from None
+    except Exception as exc:  # PyYAML's constructors: "!!float " is an IndexError
+        raise ConfigError(one_line(f"{what}: a value YAML cannot read ({type(exc).__name__})")
+                          ) from None
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Settings:
     """Settings from the config file, or the defaults when there is none.
 
     An explicit path (argument or $CUDAHOOK_CONFIG) must exist; the default
-    /etc/cudahook/config.yaml may be absent.
+    /etc/cudahook/config.yaml may be absent. Whatever is wrong with the file
+    is a ConfigError (exit 3), in bounded time and memory.
     """
     explicit = path or os.environ.get(ENV_PATH)
     target = Path(explicit) if explicit else default_path()
     key, cached = configcache.lookup(target)
-    if cached is not None:
+    # A value an older version let through (NaN) is not taken from the cache.
+    if cached is not None and _not_finite(cached) is None:
         try:
             return Settings(**cached)
         except TypeError:
             pass  # written by another version: parse the file again
     try:
-        text = target.read_text()
+        raw = _read(target)
     except FileNotFoundError:
         if explicit:
-            raise ConfigError(f"{target}: no such configuration file") from None
+            raise ConfigError(one_line(f"{target}: no such configuration file")) from None
         return Settings()
-    except OSError as exc:
-        raise ConfigError(f"{target}: {exc.strerror}") from None
-    import yaml
-
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{target}:{where} not valid YAML") from None
+    data = parse_yaml(raw, one_line(str(target), 300))
     if data is None:
         data = {}
-    validate(data, "config.schema.json", str(target))
+    validate(data, "config.schema.json", one_line(str(target), 300))
     known = set(Settings._fields)
     settings = Settings(**{k: v for k, v in data.items() if k in known})
     configcache.remember(target, key, settings.as_dict())

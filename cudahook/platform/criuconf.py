@@ -14,6 +14,14 @@ Two ways to register (the operator's choice, `--criu-registration`):
 
 The per-container copies live in `<state_dir>/criu/<container id>.conf`,
 at most MAX_FILES of them; poststop removes a container's copy.
+
+CRIU runs as root with whatever a configuration file tells it, and the
+annotations come from the container's author: a copy's base is runc's
+default file, or a file directly in the operator's CRIU directory
+(OPERATOR_DIR) that the container names, and from such a named file every
+line that could make CRIU run or load code is dropped (CODE_OPTIONS). Files
+are read as outside files are (platform/safeio: no links, regular files
+only, capped, with a deadline).
 Standard library only: install.sh runs this before any virtual environment.
 """
 
@@ -24,6 +32,7 @@ import os
 import time
 from pathlib import Path
 
+from . import paths
 from .errors import UsageError
 
 ACTION_NAME = "cudahook-criu-action"
@@ -45,10 +54,97 @@ MAX_FILES = 4096
 # A copy with no container record this long after it was written is stale
 # (the record is written by createRuntime, moments after the copy).
 STALE_S = 600.0
+# The operator's CRIU configuration directory (root's own, as /etc is): the
+# only place a container's annotation may name its base configuration from.
+OPERATOR_DIR = os.path.dirname(paths.CRIU_CONF)
+# CRIU options that run or load code (action scripts, plugins from a library
+# directory, a command after restore) or name a further file: never taken
+# from a file a container chose. getopt also accepts any unambiguous prefix
+# ("--action" is --action-script), so prefixes count too.
+CODE_OPTIONS = ("action-script", "libdir", "exec-cmd", "config")
+# Short options CRIU takes that load code: -L is --libdir.
+CODE_SHORT = "L"
+# What a named base's file name may hold: a value the annotations' schema and
+# a log line carry unchanged (no control character, no quoting).
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+MAX_NAME = 255
 
 
-def is_ours(script: str) -> bool:
+def installed_script(hook: str) -> str:
+    """The installed action script's path: it sits beside the OCI hook."""
+    return os.path.join(os.path.dirname(hook), ACTION_NAME)
+
+
+def is_ours(script: str, installed: str) -> bool:
+    """Does an action-script line name this installation's script? Only its
+    exact path does: a foreign `/tmp/x/cudahook-criu-action` is not cudahook."""
+    return script == installed
+
+
+def names_action(script: str) -> bool:
+    """Does the line name a script called like cudahook's, of any prefix?
+    Only for the admin tools that find and rewrite cudahook's lines in
+    runc.conf; whether a container is covered is is_ours' question."""
     return script.endswith("/" + ACTION_NAME)
+
+
+def registers(text: str, installed: str) -> bool:
+    """Does a CRIU configuration already name this installation's script?"""
+    return any(is_ours(s, installed) for s in action_scripts(text))
+
+
+def operator_file(path: str) -> bool:
+    """May a container name `path` as its base CRIU configuration? "" (no
+    file at all) or a plainly named file directly in OPERATOR_DIR under the
+    node root: no "..", no "//", nothing a link in a subdirectory could bend."""
+    if path == "":
+        return True
+    where = str(paths.at(OPERATOR_DIR))
+    name = os.path.basename(path)
+    return (os.path.dirname(path) == where and 0 < len(name) <= MAX_NAME
+            and name not in (".", "..") and set(name) <= _NAME_CHARS)
+
+
+def _runs_code(line: str) -> bool:
+    """Could CRIU read `line` (one line of a configuration file) as an option
+    that runs or loads code? CRIU splits a line into words at spaces and
+    tabs, prefixes the first with "--" and hands them all to getopt_long, so
+    any later word may be an option too. What this cannot read as CRIU does
+    (quotes, other whitespace, control or non-ASCII characters) counts."""
+    if any(not (" " <= c <= "~" or c == "\t") for c in line) or '"' in line:
+        return True
+    for i, word in enumerate(line.split()):
+        if word.startswith("#"):  # CRIU ignores the rest of the line
+            return False
+        if i == 0:
+            if word.startswith("-"):
+                return True
+            name = word
+        elif word == "--":
+            return True
+        elif word.startswith("--"):
+            name = word[2:]
+        elif word.startswith("-") and len(word) > 1:
+            if CODE_SHORT in word[1:]:
+                return True
+            continue
+        else:
+            continue  # an option's value
+        name = name.split("=", 1)[0]
+        if name and any(opt.startswith(name) for opt in CODE_OPTIONS):
+            return True
+    return False
+
+
+def without_code(text: str, installed: str) -> tuple[str, list[str]]:
+    """`text` without the lines that could run or load code (see _runs_code)
+    other than `action-script <installed>` itself, and those lines. Split at
+    newlines only, as CRIU's getline does."""
+    keep, dropped = [], []
+    for line in text.split("\n"):
+        own = line.split() == ["action-script", installed]
+        (dropped if _runs_code(line) and not own else keep).append(line)
+    return "\n".join(keep), dropped
 
 
 def action_scripts(text: str) -> list[str]:
@@ -65,7 +161,7 @@ def registration(text: str) -> tuple[str | None, str | None]:
     """(mode, script) runc.conf's text shows: ("global", script) for an
     action-script line of cudahook's, ("gpu-only", script) for the comment
     gpu-only leaves, (None, None) for neither."""
-    ours = [s for s in action_scripts(text) if is_ours(s)]
+    ours = [s for s in action_scripts(text) if names_action(s)]
     if ours:
         return "global", ours[0]
     for line in text.splitlines():
@@ -83,7 +179,7 @@ def without_ours(text: str) -> str:
     keep = []
     for line in text.splitlines(keepends=True):
         words = line.split(None, 1)
-        if len(words) == 2 and words[0] == "action-script" and is_ours(
+        if len(words) == 2 and words[0] == "action-script" and names_action(
                 words[1].strip().strip('"')):
             continue
         if line.startswith("# cudahook: "):
@@ -101,16 +197,17 @@ def for_container(base: str, script: str) -> str:
 
 def read_base(path: str) -> str:
     """A CRIU configuration file's text ("" for none, or a missing file: CRIU
-    ignores a file that does not exist). Raises ValueError past MAX_CONF."""
+    ignores a file that does not exist), read as an outside file: FileRefused
+    for a symlink, a FIFO or device, a file past MAX_CONF, or no answer
+    within safeio's deadline; OSError if it cannot be read."""
+    from .safeio import read_bytes
+
     if not path:
         return ""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONF + 1)
+        data = read_bytes(path, MAX_CONF)
     except FileNotFoundError:
         return ""
-    if len(data) > MAX_CONF:
-        raise ValueError(f"{path} is larger than {MAX_CONF} bytes: not copied")
     return data.decode(errors="surrogateescape")
 
 

@@ -12,7 +12,7 @@ from enum import IntEnum
 class Exit(IntEnum):
     OK = 0
     FAILED = 1  # the operation failed; the workload was rolled back and is running
-    USAGE = 2  # bad arguments or bad input; nothing was changed
+    USAGE = 2  # bad arguments or input; nothing was changed
     CONFIG = 3  # invalid configuration; nothing was changed
     UNSAFE = 4  # the workload could not be brought back to a safe state: needs attention
     ENVIRONMENT = 5  # a required tool or driver feature is missing; nothing was changed
@@ -106,21 +106,39 @@ class PhaseError(CudahookError):
         super().__init__(f"{phase} failed: " + "; ".join(errors))
 
 
-def one_line(text: str, limit: int = 2000) -> str:
-    """`text` safe to echo as one line: every control or non-printable
-    character escaped (a newline in an annotation key must not become a
-    second line in the runtime's output), and cut at `limit` characters."""
-    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return out if len(out) <= limit else out[:limit] + "..."
+def one_line(text: object, limit: int = 2000) -> str:
+    """`text` safe to print as one line: THE one helper through which every
+    string from outside (a container id, a GPU model, an archive member, a
+    manifest field, an error message quoting one) reaches stdout or stderr.
+
+    Every control or non-printable character is escaped (a newline must not
+    become a second line, ESC must not drive the terminal: no title change,
+    no screen clear; a lone surrogate becomes `\\ud800`, not an encoding
+    error), and the result is cut at `limit` characters. Work is bounded by
+    `limit` too: a 2 MiB string is cut before it is escaped."""
+    s = text if isinstance(text, str) else str(text)
+    cut = len(s) > limit
+    s = s[:limit]
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+    return out[:limit] + "..." if cut or len(out) > limit else out
 
 
-def report(exc: BaseException, prog: str = "cudahook") -> int:
+def escape_lines(text: str, limit: int = 20000) -> str:
+    """A report of several lines, each made safe by `one_line` (the line
+    breaks are cudahook's own; everything inside a line is escaped). The
+    cap per line is generous: a report's lines are cudahook's, only the
+    values inside them come from outside."""
+    return "\n".join(one_line(line, limit) for line in text.split("\n"))
+
+
+def report(exc: BaseException, prog: str = "cudahook", log_file: str | None = None) -> int:
     """Print `exc` as one line on stderr; the documented exit code for it.
 
     cudahook's own errors carry their code. Outside them: input nested past
     the interpreter's recursion limit is bad input (2); a filesystem that
     refuses cudahook's state (read-only, full, a file where a directory
-    belongs) is the environment (5); anything else is a failure (1).
+    belongs) is the environment (5); anything else is a bug: one line
+    "internal error: ..." and exit 1, its traceback only in `log_file`.
     """
     import sys
 
@@ -133,5 +151,12 @@ def report(exc: BaseException, prog: str = "cudahook") -> int:
         text, code = f"{where}{exc.strerror or exc}", int(Exit.ENVIRONMENT)
     else:
         text, code = f"internal error: {type(exc).__name__}: {exc}", int(Exit.FAILED)
+        if log_file:
+            import traceback
+
+            from .eventlog import log
+
+            log(log_file, "internal-error", exception=one_line(f"{type(exc).__name__}: {exc}"),
+                traceback="".join(traceback.format_exception(exc))[-20000:])
     print(f"{prog}: {one_line(text)}", file=sys.stderr)
     return code

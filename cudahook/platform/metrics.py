@@ -8,14 +8,20 @@ and the GPU model, plus the one dimension a series is about (outcome, phase,
 direction, reason: small fixed sets). A container not updated for
 `state_retention_s` is dropped, so the file stays bounded on a busy node.
 
-Writing metrics never fails an operation: `update` logs nothing and
-raises nothing; the caller's outcome stands either way. Only the slow
-paths call it: a container without a GPU never gets here.
+Writing metrics never fails an operation: `update` raises nothing; the
+caller's outcome stands either way. Only the slow paths call it: a
+container without a GPU never gets here.
+
+The container id and the GPU model come from outside (a manifest, a
+runtime's state): every label value is made valid UTF-8 and cut to
+MAX_LABEL characters before it is kept, and rendered escaped as the text
+format says. One event adds at most MAX_OPS changes, and an event whose
+changes would take the state past the store's read cap is dropped, with
+a log line: the other containers' series stay.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -64,6 +70,27 @@ STATE_NAME = "metrics/state.json"
 LOCK_WAIT_S = 2.0
 
 
+# A label value is kept to this many characters (a container id is at most
+# 250, a GPU model name some 40): a 2 MiB model name must not become 2 MiB in
+# every series of the container.
+MAX_LABEL = 256
+# One event's changes, at most (a checkpoint makes some 30).
+MAX_OPS = 256
+
+
+def label(value: object) -> str:
+    """`value` as a label value: valid UTF-8 (a lone surrogate cannot be
+    encoded, and one in the state used to fail every write of the file),
+    at most MAX_LABEL characters."""
+    text = value if isinstance(value, str) else str(value)
+    text = text[:MAX_LABEL]
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # surrogates: U+FFFD, as a decoder shows bad bytes
+        text = "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text
+
+
 def metrics_path(settings: Settings) -> Path | None:
     """Where the metrics file goes; None when metrics are off."""
     if settings.metrics_file == "":
@@ -77,21 +104,23 @@ class Changes:
     """What one event adds: counters, summary observations, gauges."""
 
     def __init__(self, container: str, gpu_model: str | None = None):
-        self.container = container
-        self.gpu_model = gpu_model
+        self.container = label(container)
+        self.gpu_model = label(gpu_model) if gpu_model else None
         self.ops: list[tuple[str, str, dict[str, str], float]] = []
 
-    def inc(self, name: str, value: float = 1.0, **labels: str) -> Changes:
-        self.ops.append(("inc", name, labels, float(value)))
+    def _add(self, op: str, name: str, labels: dict[str, str], value: float) -> Changes:
+        if len(self.ops) < MAX_OPS and name in FAMILIES:
+            self.ops.append((op, name, {k: label(v) for k, v in labels.items()}, float(value)))
         return self
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> Changes:
+        return self._add("inc", name, labels, value)
 
     def observe(self, name: str, value: float, **labels: str) -> Changes:
-        self.ops.append(("observe", name, labels, float(value)))
-        return self
+        return self._add("observe", name, labels, value)
 
     def set(self, name: str, value: float, **labels: str) -> Changes:
-        self.ops.append(("set", name, labels, float(value)))
-        return self
+        return self._add("set", name, labels, value)
 
 
 def update(settings: Settings, changes: Changes, *, now: float | None = None) -> bool:
@@ -108,7 +137,7 @@ def update(settings: Settings, changes: Changes, *, now: float | None = None) ->
 
 def _update(settings: Settings, target: Path, changes: Changes, now: float) -> bool:
     from .privdir import ensure_private_dir
-    from .store import lock_file, read_json
+    from .store import TooLarge, lock_file, read_json, write_bounded
 
     state_path = Path(settings.state_dir) / STATE_NAME
     ensure_private_dir(state_path.parent)
@@ -143,9 +172,16 @@ def _update(settings: Settings, target: Path, changes: Changes, now: float) -> b
         _prune(state, now - settings.state_retention_s)
         # Derived data, rewritten at every event: compact, and not fsynced (a
         # crash loses at most the last events; a damaged state starts over,
-        # which Prometheus reads as a counter reset).
-        write_atomic(state_path, json.dumps(state, separators=(",", ":")).encode(),
-                     durable=False)
+        # which Prometheus reads as a counter reset). Past the cap, this
+        # event is dropped: the file keeps everyone else's series.
+        try:
+            write_bounded(state_path, state, compact=True, durable=False)
+        except TooLarge as exc:
+            from .eventlog import log
+
+            log(settings.log_file, "metrics", container=changes.container,
+                dropped=len(changes.ops), reason=str(exc))
+            return False
         if target.parent != state_path.parent:
             target.parent.mkdir(parents=True, exist_ok=True)
         # Readable by node_exporter, which need not run as root.
@@ -160,13 +196,19 @@ def _valid(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         return {"containers": {}, "series": []}
     containers = data.get("containers")
-    containers = {str(k): v for k, v in containers.items() if isinstance(v, dict)} if isinstance(
+    containers = {label(k): v for k, v in containers.items() if isinstance(v, dict)} if isinstance(
         containers, dict) else {}
-    series = [e for e in (data.get("series") if isinstance(data.get("series"), list) else [])
+    # Labels written before they were bounded are made valid again here: a
+    # state holding one bad value must not fail every later write.
+    series = [[e[0], e[1], {k: label(v) for k, v in e[2].items()}, e[3]]
+              for e in (data.get("series") if isinstance(data.get("series"), list) else [])
               if isinstance(e, list) and len(e) == 4 and e[0] in FAMILIES
               and isinstance(e[1], str) and isinstance(e[2], dict)
               and all(isinstance(k, str) and isinstance(v, str) for k, v in e[2].items())
               and isinstance(e[3], (int, float)) and not isinstance(e[3], bool)]
+    for info in containers.values():
+        if "gpu_model" in info:
+            info["gpu_model"] = label(info["gpu_model"])
     return {"containers": containers, "series": series}
 
 
@@ -186,7 +228,9 @@ def _prune(state: dict[str, Any], cutoff: float) -> None:
 
 
 def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    """A label value as the text format writes it: backslash, double quote
+    and line feed escaped; valid UTF-8 and bounded (label)."""
+    return label(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _number(v: float) -> str:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .atomic import write_json_atomic
+from .atomic import write_json_atomic  # noqa: F401 - imported from here by others
 from .errors import StateError, UsageError
 from .privdir import ensure_private_dir
 
@@ -50,6 +50,26 @@ def check_id(container_id: str) -> str:
 # Records, progress and history files are a few kilobytes; a bigger one was
 # not written by cudahook.
 MAX_FILE = 1 << 20
+
+
+class TooLarge(StateError):
+    """A state file would be past MAX_FILE: read_json would refuse it."""
+
+
+def write_bounded(path: Path, data: Any, *, compact: bool = False, durable: bool = True) -> None:
+    """Write `data` as JSON unless it comes to more than MAX_FILE: then
+    TooLarge, and the file stays as it was. A file past the cap would be
+    read back as absent (read_json), so one oversized write would cost
+    everything the file held, not just its own addition."""
+    import json
+
+    from .atomic import write_atomic
+
+    text = (json.dumps(data, separators=(",", ":")) if compact
+            else json.dumps(data, indent=1, sort_keys=True)).encode()
+    if len(text) > MAX_FILE:
+        raise TooLarge(f"{path.name}: {len(text)} bytes would be past {MAX_FILE}: not written")
+    write_atomic(path, text, durable=durable)
 
 
 def read_json(path: Path) -> Any | None:
@@ -146,7 +166,7 @@ class Store:
         return record if isinstance(record, dict) else None
 
     def save(self, container_id: str, record: dict[str, Any]) -> None:
-        write_json_atomic(self.record_path(container_id), record)
+        write_bounded(self.record_path(container_id), record)
 
     def update(self, container_id: str, **fields: Any) -> dict[str, Any]:
         with self.locked(container_id):
@@ -215,7 +235,7 @@ class Store:
             if not isinstance(data, dict):
                 data = {}
             data[kind] = result
-            write_json_atomic(path, data)
+            write_bounded(path, data)  # too large: this result is dropped, the others stay
 
     def history(self) -> dict[str, dict[str, Any]]:
         d = self.root / "history"

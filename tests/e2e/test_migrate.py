@@ -141,9 +141,16 @@ def make_node(tmp: Path, image: Path, name: str, *, seed: str, gpus: int = 2,
     for change in registration("podman", COMMON / "libexec", root=str(root)).changes[1:]:
         assert change.after is not None
         (etc / "hooks.d" / change.path.name).write_bytes(change.after)
-    (etc / "criu.conf").write_text(f"action-script {COMMON / 'libexec/cudahook-criu-action'}\n")
+    action = f"action-script {COMMON / 'libexec/cudahook-criu-action'}\n"
+    (etc / "criu.conf").write_text(action)
+    # The node's own CRIU registration (global, as install.sh writes it): a
+    # migrated container's org.criu.config is dropped on restore, and runc
+    # then hands CRIU this node's /etc/criu/runc.conf.
+    (etc / "criu").mkdir()
+    (etc / "criu/runc.conf").write_text(action)
     ns = NodeNamespace([(str(libexec), str(COMMON / "libexec")), (str(etc), str(COMMON / "etc")),
-                        (str(lab.root), str(COMMON / "gpu")), (str(root), str(COMMON / "root"))])
+                        (str(lab.root), str(COMMON / "gpu")), (str(root), str(COMMON / "root")),
+                        (str(etc / "criu"), "/etc/criu")])
     podman = Podman(d / "podman", ns=ns, hooks_dir=str(COMMON / "etc/hooks.d"))
     node = SimNode(name, d, lab, ns, podman)
     try:
@@ -261,6 +268,9 @@ def test_migrate_same_count_other_uuids(nodes: Any, tmp_path: Path) -> None:
     assert len(restore["pids"]) == len(tags) and not restore.get("error")
     spec = json.loads(Path(b.podman.inspect(f"{name}-b")["OCIConfigPath"]).read_text())
     assert f"NVIDIA_VISIBLE_DEVICES={b.lab.uuids[0]}" in spec["process"]["env"]
+    # Node A's CRIU configuration did not come along: node B's own applied.
+    assert out["dropped_annotations"] == ["org.criu.config"]
+    assert "org.criu.config" not in spec.get("annotations", {})
     assert a.events("restore") == []
     # Node A's GPU holds nothing of it any more.
     assert all(g["memory_used_mib"] == 0 for g in a.lab.info()["gpus"])
@@ -367,6 +377,39 @@ def test_a_damaged_archive_is_refused_cleanly(nodes: Any, tmp_path: Path, damage
     assert_refused_cleanly(b, r, Exit.USAGE, why)
     assert counters(b.lab, tags) == {t: 0 for t in tags}  # nothing ran on B
     assert counters(a.lab, tags) == frozen
+
+
+def test_remove_only_own__a_failed_restore_removes_its_own_container(nodes: Any,
+                                                                    tmp_path: Path) -> None:
+    """podman creates the container, then CRIU fails (node B's CRIU runs an
+    action script that refuses): that container, this restore's, goes."""
+    a = nodes("a", seed="node-a")
+    b = nodes("b", seed="node-b")
+    _, tags, archive, _ = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit")
+    (b.dir / "etc/criu/runc.conf").write_text("action-script /bin/false\n")
+    r = b.migrate("restore", str(archive), "--name", "moved")
+    assert r.returncode == Exit.FAILED, r.stdout + r.stderr
+    assert b.containers() == []
+    assert counters(b.lab, tags) == {t: 0 for t in tags}
+
+
+def test_remove_only_own__a_container_made_meanwhile_under_that_name_stays(
+        nodes: Any, tmp_path: Path) -> None:
+    """Someone creates a container of the same name while the restore starts
+    (podman then fails: the name is taken): theirs is not removed."""
+    a = nodes("a", seed="node-a")
+    b = nodes("b", seed="node-b")
+    _, _, archive, _ = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit")
+    racer = tmp_path / "racing-podman"
+    racer.write_text("#!/bin/sh\n"
+                     f'[ "$1 $2" = "container restore" ] && {b.podman.command()} create '
+                     f"--name taken {IMAGE} true >/dev/null\n"
+                     f'exec {b.podman.command()} "$@"\n')
+    racer.chmod(0o755)
+    r = b.cudahook("migrate", "restore", str(archive), "--name", "taken", "--podman", str(racer))
+    assert r.returncode == Exit.FAILED, r.stdout + r.stderr
+    assert b.containers() == ["taken"]
+    assert b.podman.state("taken") == "created"  # theirs, untouched
 
 
 # -- runc: the image directory packed into a tar --------------------------------

@@ -1,0 +1,499 @@
+"""Reading a checkpoint archive that another node (or anyone) supplied.
+
+The archive is data from outside: it is read in one pass, in bounded chunks,
+by a tar reader that understands only what a podman checkpoint holds -
+regular files and directories, with POSIX (pax) or GNU long names - and
+refuses everything else before acting on it:
+
+- sparse members (old GNU, or pax `GNU.sparse.*`), links, devices, FIFOs,
+  global pax headers, and any type it does not know;
+- names that are absolute or climb out (`..`), or that name the same member
+  twice once normalised (`./x`, `a//b` and `a/./b` are `x`, `a/b`);
+- more unpacked bytes than the cap (`migrate_max_unpacked_bytes`): each
+  member's declared size is checked before its data is read, and the bytes
+  inflated are counted as they come (a gzip bomb stops at the cap);
+- with a copy: more than the free space where the copy goes, checked before
+  each member is written;
+- a read past its deadline.
+
+The same pass hashes the raw bytes (the archive's sha256, for its sidecar
+and signature), checks the gzip stream's CRC and length at its end, keeps
+the few small members cudahook reads, and can write an uncompressed copy
+whose headers cudahook wrote itself (normalised names, no extra records).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from cudahook.platform.errors import EnvironmentProblem, UsageError, one_line
+
+BLOCK = 512
+CHUNK = 1 << 20
+#: The default cap on an archive's unpacked size (documented in README and
+#: config.yaml): larger checkpoints need `migrate_max_unpacked_bytes` raised.
+DEFAULT_MAX_BYTES = 256 << 30
+MAX_NAME = 4096
+MAX_PAX = 1 << 20
+MAX_MEMBERS = 1_000_000
+#: After the end-of-archive blocks: tar's padding to its record size (10 KiB
+#: for GNU tar), not more.
+MAX_TRAILING = 1 << 20
+#: Room kept free beside the copy (the spec files written last, the log).
+RESERVE = 64 << 20
+#: Members read into memory must be small (a container spec, a manifest).
+SMALL_LIMIT = 64 << 20
+#: cudahook's own files in the image (hashed as they stream, for the
+#: manifest's checksums): small, never CRIU's `*.img`.
+HASHED_LIMIT = 1 << 30
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class ArchiveRefused(UsageError):
+    """The archive is not one cudahook reads: bad input, nothing kept."""
+
+
+class ReadTimedOut(ArchiveRefused):
+    """The archive was not read within its deadline."""
+
+
+def show(text: str) -> str:
+    """A name from an archive (or a manifest), quoted and escaped for one
+    line: no control character reaches the terminal."""
+    return one_line(repr(text), 300)
+
+
+def canonical(raw: str, archive: str) -> str | None:
+    """`raw` as a member name every decision uses: no `.`, no empty parts.
+    None for the archive's root (`./`)."""
+    if any(not c.isprintable() for c in raw):
+        raise ArchiveRefused(f"{archive}: member name {show(raw)} holds control characters")
+    if raw.startswith("/"):
+        raise ArchiveRefused(f"{archive}: member {show(raw)} has an absolute name")
+    parts = [p for p in raw.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ArchiveRefused(f"{archive}: member {show(raw)} leaves the archive (..)")
+    return "/".join(parts) or None
+
+
+class Member:
+    __slots__ = ("gid", "gname", "mode", "mtime", "name", "size", "type", "uid", "uname",
+                 "xattrs")
+
+    def __init__(self) -> None:
+        self.name = ""
+        self.type = tarfile.REGTYPE
+        self.size = self.mode = self.uid = self.gid = 0
+        self.mtime = 0.0
+        self.uname = self.gname = ""
+        self.xattrs: dict[str, str] = {}
+
+    def isdir(self) -> bool:
+        return self.type == tarfile.DIRTYPE
+
+    def header(self) -> bytes:
+        """This member's header in the copy: written here, from what was checked."""
+        info = tarfile.TarInfo(self.name)
+        info.type, info.size, info.mode = self.type, self.size, self.mode
+        info.uid, info.gid, info.mtime = self.uid, self.gid, self.mtime
+        info.uname, info.gname = self.uname, self.gname
+        info.pax_headers = dict(self.xattrs)
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+def _number(field: bytes, what: str, archive: str) -> int:
+    if field[:1] and field[0] & 0x80:
+        if field[0] == 0xFF:
+            raise ArchiveRefused(f"{archive}: negative {what} in a tar header")
+        return int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    if not text:
+        return 0
+    if any(c not in b"01234567" for c in text):
+        raise ArchiveRefused(f"{archive}: not a complete checkpoint archive (bad tar {what})")
+    return int(text, 8)
+
+
+def _text(field: bytes) -> str:
+    return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def _pax(data: bytes, archive: str) -> dict[str, str]:
+    out, pos = {}, 0
+    while pos < len(data):
+        space = data.find(b" ", pos, pos + 20)
+        if space < 0 or not data[pos:space].isdigit():
+            raise ArchiveRefused(f"{archive}: malformed pax header")
+        length = int(data[pos:space])
+        record = data[space + 1:pos + length]
+        if length <= space - pos or pos + length > len(data) or not record.endswith(b"\n") \
+                or b"=" not in record:
+            raise ArchiveRefused(f"{archive}: malformed pax header")
+        key, _, value = record[:-1].partition(b"=")
+        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return out
+
+
+class Stream:
+    """The archive's bytes, uncompressed, in chunks of at most CHUNK: the raw
+    bytes hashed, the inflated ones counted against the cap, the deadline
+    checked between chunks."""
+
+    def __init__(self, fd: int, archive: str, max_bytes: int, deadline: float,
+                 timeout_s: float):
+        self.fd, self.archive = fd, archive
+        self.max_bytes, self.deadline, self.timeout_s = max_bytes, deadline, timeout_s
+        self.sha256 = hashlib.sha256()
+        self.raw = 0  # bytes read from the file
+        self.out = 0  # bytes handed out, uncompressed
+        self.buf = b""
+        self.off = 0
+        self.pending = b""
+        first = self._read_raw()
+        self.gz: zlib._Decompress | None = None
+        if first[:2] == GZIP_MAGIC:
+            self.gz = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            self.pending = first
+        else:
+            self.buf = first
+
+    def _read_raw(self) -> bytes:
+        if time.monotonic() > self.deadline:
+            raise ReadTimedOut(f"{self.archive}: not read within {self.timeout_s:g}s")
+        data = os.read(self.fd, CHUNK)
+        self.raw += len(data)
+        self.sha256.update(data)
+        return data
+
+    def _inflate(self) -> bytes:
+        """The next uncompressed piece, b"" at the end of the file."""
+        if self.gz is None:
+            return self._read_raw()
+        try:
+            while True:
+                gz = self.gz
+                if gz.unconsumed_tail:
+                    out = gz.decompress(gz.unconsumed_tail, CHUNK)
+                elif gz.eof:
+                    rest = gz.unused_data or self._read_raw()
+                    if not rest:
+                        return b""
+                    if rest[:2] != GZIP_MAGIC:
+                        raise ArchiveRefused(f"{self.archive}: data after the gzip stream")
+                    # Concatenated gzip members read as one stream (pigz, cat).
+                    self.gz = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                    out = self.gz.decompress(rest, CHUNK)
+                else:
+                    raw, self.pending = self.pending or self._read_raw(), b""
+                    if not raw:
+                        raise ArchiveRefused(f"{self.archive}: not a complete checkpoint archive"
+                                             " (the gzip stream is cut short)")
+                    out = gz.decompress(raw, CHUNK)
+                if out:
+                    return out
+                if time.monotonic() > self.deadline:
+                    raise ReadTimedOut(f"{self.archive}: not read within {self.timeout_s:g}s")
+        except zlib.error as exc:
+            # A changed byte: deflate's own checks, or the CRC/length at the end.
+            raise ArchiveRefused(f"{self.archive}: not a complete checkpoint archive "
+                                 f"(gzip: {exc})") from exc
+
+    def _fill(self) -> bool:
+        data = self._inflate()
+        if not data:
+            return False
+        self.out += len(data)
+        if self.out > self.max_bytes:
+            raise ArchiveRefused(f"{self.archive}: unpacks to more than {self.max_bytes} bytes "
+                                 "(migrate_max_unpacked_bytes)")
+        self.buf = self.buf[self.off:] + data if self.off < len(self.buf) else data
+        self.off = 0
+        return True
+
+    def pieces(self, n: int) -> Iterator[bytes]:
+        """The next `n` bytes, in pieces; refused if the archive ends first."""
+        while n > 0:
+            if self.off >= len(self.buf) and not self._fill():
+                raise ArchiveRefused(f"{self.archive}: not a complete checkpoint archive "
+                                     "(cut short inside a member)")
+            piece = self.buf[self.off:self.off + n]
+            self.off += len(piece)
+            n -= len(piece)
+            yield piece
+
+    def read(self, n: int) -> bytes:
+        return b"".join(self.pieces(n))
+
+    def block(self) -> bytes | None:
+        """The next 512-byte block; None at the end of the file."""
+        if self.off >= len(self.buf) and not self._fill():
+            return None
+        return self.read(BLOCK)
+
+    def drain(self) -> int:
+        """Read to the end (the gzip CRC is checked there): the bytes left."""
+        left = len(self.buf) - self.off
+        self.buf, self.off = b"", 0
+        while self._fill():
+            left += len(self.buf)
+            self.buf = b""
+            if left > MAX_TRAILING:
+                raise ArchiveRefused(f"{self.archive}: more than {MAX_TRAILING} bytes after the "
+                                     "end of the tar archive")
+        return left
+
+
+class Scan:
+    """What one pass over the archive found."""
+
+    def __init__(self) -> None:
+        self.small: dict[str, bytes] = {}
+        self.hashed: dict[str, tuple[str, int]] = {}  # name: (sha256, size)
+        self.names: set[str] = set()
+        self.sha256 = ""
+        self.raw_bytes = 0
+        self.unpacked_bytes = 0
+        self.members = 0
+
+
+def _members(stream: Stream, archive: str) -> Iterator[Member]:
+    """Each member as its header says, after the checks; the caller reads
+    (or skips) exactly `size` bytes of data plus padding."""
+    pax: dict[str, str] = {}
+    long_name: str | None = None
+    count = 0
+    while True:
+        block = stream.block()
+        if block is None:
+            raise ArchiveRefused(f"{archive}: not a complete checkpoint archive "
+                                 "(no end-of-archive marker)")
+        if block == bytes(BLOCK):
+            if pax or long_name is not None:
+                raise ArchiveRefused(f"{archive}: an extended header without its member")
+            return
+        magic = block[257:265]
+        if magic not in (b"ustar\x0000", b"ustar  \x00"):
+            raise ArchiveRefused(f"{archive}: not a complete checkpoint archive (no tar header "
+                                 "where one belongs)")
+        want = _number(block[148:156], "checksum", archive)
+        got = sum(block[:148]) + 8 * 32 + sum(block[156:])
+        if want != got:
+            raise ArchiveRefused(f"{archive}: not a complete checkpoint archive "
+                                 "(tar header checksum)")
+        count += 1
+        if count > MAX_MEMBERS:
+            raise ArchiveRefused(f"{archive}: more than {MAX_MEMBERS} members")
+        kind = block[156:157]
+        size = _number(block[124:136], "size", archive)
+        if kind in (b"x", b"L"):
+            limit = MAX_PAX if kind == b"x" else MAX_NAME
+            if size > limit:
+                raise ArchiveRefused(f"{archive}: an extended header of {size} bytes")
+            data = stream.read(size)
+            stream.read(-size % BLOCK)
+            if kind == b"L":
+                long_name = _text(data)
+                continue
+            records = _pax(data, archive)
+            if any(k.startswith("GNU.sparse.") for k in records):
+                raise ArchiveRefused(f"{archive}: sparse member (not in a checkpoint)")
+            pax.update(records)
+            continue
+        if kind == b"S":
+            raise ArchiveRefused(f"{archive}: sparse member (not in a checkpoint)")
+        if kind not in (b"0", b"\0", b"5"):
+            what = {b"1": "a hard link", b"2": "a symlink", b"3": "a device", b"4": "a device",
+                    b"6": "a FIFO", b"g": "a global pax header", b"K": "a link"}.get(kind)
+            raw = long_name or _text(block[0:100])
+            raise ArchiveRefused(f"{archive}: member {show(raw)} is "
+                                 f"{what or 'of type ' + show(kind.decode('latin-1'))}: "
+                                 "a checkpoint holds only files and directories")
+        m = Member()
+        if "path" in pax:
+            raw = pax["path"]
+        elif long_name is not None:
+            raw = long_name
+        elif magic == b"ustar\x0000" and block[345]:
+            raw = _text(block[345:500]) + "/" + _text(block[0:100])
+        else:
+            raw = _text(block[0:100])
+        if len(raw) > MAX_NAME:
+            raise ArchiveRefused(f"{archive}: a member name longer than {MAX_NAME}")
+        if "size" in pax:
+            if not pax["size"].isdigit():
+                raise ArchiveRefused(f"{archive}: malformed pax size")
+            size = int(pax["size"])
+        name = canonical(raw, archive)
+        m.type = tarfile.DIRTYPE if kind == b"5" else tarfile.REGTYPE
+        if m.isdir() and size:
+            raise ArchiveRefused(f"{archive}: directory {show(raw)} with data")
+        m.size = size
+        # Permission bits only: setuid, setgid and sticky have no place on
+        # the files of a checkpoint image.
+        m.mode = _number(block[100:108], "mode", archive) & 0o777
+        m.uid = _pax_int(pax, "uid", _number(block[108:116], "uid", archive), archive)
+        m.gid = _pax_int(pax, "gid", _number(block[116:124], "gid", archive), archive)
+        m.mtime = _number(block[136:148], "mtime", archive)
+        m.uname = pax.get("uname", _text(block[265:297]))
+        m.gname = pax.get("gname", _text(block[297:329]))
+        m.xattrs = {k: v for k, v in pax.items() if k.startswith("SCHILY.xattr.")}
+        pax, long_name = {}, None
+        if name is None:
+            if not m.isdir():
+                raise ArchiveRefused(f"{archive}: member {show(raw)} has no name")
+            continue  # the archive's root directory: nothing to keep
+        m.name = name
+        yield m
+
+
+def _pax_int(pax: dict[str, str], key: str, default: int, archive: str) -> int:
+    if key not in pax:
+        return default
+    if not pax[key].isdigit():
+        raise ArchiveRefused(f"{archive}: malformed pax {key}")
+    return int(pax[key])
+
+
+def free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] = frozenset(),
+         copy: BinaryIO | None = None, room: int | None = None,
+         max_bytes: int = DEFAULT_MAX_BYTES, timeout_s: float = 3600.0) -> Scan:
+    """One pass over `archive` (see the module's docstring). `small`: the
+    members kept in memory; with `copy`, every member but `skip_in_copy` is
+    written there (no end-of-archive: the caller adds what it leaves out,
+    then `end_copy`), within `room` bytes."""
+    from cudahook.platform import safeio
+
+    what = str(archive)
+    deadline = time.monotonic() + timeout_s
+    try:
+        fd = safeio.open_regular(what, 1 << 62)
+    except safeio.FileRefused as exc:
+        raise ArchiveRefused(str(exc)) from exc
+    except OSError as exc:
+        raise ArchiveRefused(f"{what}: unreadable ({exc.strerror})") from exc
+    out = Scan()
+    written = 0
+    try:
+        stream = Stream(fd, what, max_bytes, deadline, timeout_s)
+        files: set[str] = set()
+        for m in _members(stream, what):
+            if m.name in out.names:
+                raise ArchiveRefused(f"{what}: member {show(m.name)} appears twice")
+            parts = m.name.split("/")
+            for i in range(1, len(parts)):
+                if "/".join(parts[:i]) in files:
+                    raise ArchiveRefused(f"{what}: member {show(m.name)} is under a file")
+            out.names.add(m.name)
+            if not m.isdir():
+                files.add(m.name)
+            # Stop at the first member past the cap, before reading its data.
+            if stream.out + m.size > max_bytes:
+                raise ArchiveRefused(f"{what}: member {show(m.name)} ({m.size} bytes) takes the "
+                                     f"archive past {max_bytes} bytes unpacked "
+                                     "(migrate_max_unpacked_bytes)")
+            to_copy = copy is not None and m.name not in skip_in_copy
+            header = m.header() if to_copy else b""
+            if to_copy and room is not None:
+                need = written + len(header) + m.size + BLOCK
+                if need > room:
+                    raise EnvironmentProblem(
+                        f"no room for the restore's copy of {archive.name}: it needs more than "
+                        f"{need} bytes, {room} are free (after a {RESERVE} byte reserve); "
+                        "free space or use --work-dir")
+            if to_copy:
+                assert copy is not None
+                copy.write(header)
+                written += len(header)
+            keep = m.name in small
+            if keep and m.size > SMALL_LIMIT:
+                raise ArchiveRefused(f"{what}: {show(m.name)} is {m.size} bytes, past "
+                                     f"{SMALL_LIMIT}")
+            hashed = (not keep and m.name.startswith("checkpoint/") and not m.isdir()
+                      and not m.name.endswith(".img") and m.size <= HASHED_LIMIT)
+            h = hashlib.sha256() if hashed or keep else None
+            kept = []
+            for piece in stream.pieces(m.size):
+                if to_copy:
+                    assert copy is not None
+                    copy.write(piece)
+                if h is not None:
+                    h.update(piece)
+                if keep:
+                    kept.append(piece)
+            pad = -m.size % BLOCK
+            stream.read(pad)
+            if to_copy:
+                assert copy is not None
+                copy.write(bytes(pad))
+                written += m.size + pad
+            if keep:
+                out.small[m.name] = b"".join(kept)
+            if h is not None:
+                out.hashed[m.name] = (h.hexdigest(), m.size)
+            out.members += 1
+        stream.drain()
+        out.sha256 = stream.sha256.hexdigest()
+        out.raw_bytes, out.unpacked_bytes = stream.raw, stream.out
+        return out
+    except OSError as exc:
+        raise ArchiveRefused(f"{what}: unreadable ({exc.strerror})") from exc
+    finally:
+        os.close(fd)
+
+
+def read_member(archive: Path, name: str, limit: int, timeout_s: float = 60.0) -> bytes | None:
+    """One member's data (None if absent), reading only up to it."""
+    from cudahook.platform import safeio
+
+    fd = safeio.open_regular(str(archive), 1 << 62)
+    try:
+        stream = Stream(fd, str(archive), DEFAULT_MAX_BYTES, time.monotonic() + timeout_s,
+                        timeout_s)
+        for m in _members(stream, str(archive)):
+            if m.name == name and not m.isdir():
+                if m.size > limit:
+                    raise ArchiveRefused(f"{archive}: {show(name)} is past {limit} bytes")
+                return stream.read(m.size)
+            for _ in stream.pieces(m.size + -m.size % BLOCK):
+                pass
+        return None
+    except OSError as exc:
+        raise ArchiveRefused(f"{archive}: unreadable ({exc.strerror})") from exc
+    finally:
+        os.close(fd)
+
+
+def rest_sha256(archive: Path, timeout_s: float) -> str | None:
+    """The whole file's sha256 (None if unreadable or past `timeout_s`): to
+    tell a damaged copy from a hostile one when a member was refused."""
+    from cudahook.platform import safeio
+
+    try:
+        return safeio.sha256_file(archive, 1 << 62, timeout_s)[0]
+    except (OSError, safeio.FileRefused):
+        return None
+
+
+def add_file(copy: BinaryIO, name: str, data: bytes, mode: int = 0o600) -> None:
+    m = Member()
+    m.name, m.size, m.mode, m.mtime = name, len(data), mode, int(time.time())
+    copy.write(m.header())
+    copy.write(data)
+    copy.write(bytes(-len(data) % BLOCK))
+
+
+def end_copy(copy: BinaryIO) -> None:
+    copy.write(bytes(2 * BLOCK))
