@@ -439,7 +439,7 @@ def check_migrate(root: Path, case: dict[str, Any], result: dict[str, Any], what
                 assert "--" in argv and argv.index("--") < argv.index(value), (argv, what)
 
 
-@fuzz("CUDAHOOK_FUZZ_MIGRATE", 1500)
+@fuzz("CUDAHOOK_FUZZ_MIGRATE", 2000)
 @given(case=migrate_case())
 def test_fuzz_migrate_restore(worker: Worker, base: Path, tools: dict[str, Path],
                               case: dict[str, Any]) -> None:
@@ -562,7 +562,7 @@ def sleeper() -> Iterator[int]:
     p.wait()
 
 
-@fuzz("CUDAHOOK_FUZZ_CLI", 1500)
+@fuzz("CUDAHOOK_FUZZ_CLI", 3000)
 @given(case=cli_case())
 def test_fuzz_admin_cli(worker: Worker, base: Path, tools: dict[str, Path], sleeper: int,
                         case: tuple[str, list[str]]) -> None:
@@ -724,7 +724,9 @@ def check_wrapper(root: Path, bundle: Path, args: list[str], runc: str,
     if log.exists():
         text = log.read_text(errors="replace")
         assert not unsafe_chars(text), (text, what)
-        assert text.count("\n") <= 1, (text, what)
+        # One warning at most (the info line that the hooks went in may follow).
+        warnings = [x for x in text.splitlines() if "warning" in x or "error" in x]
+        assert len(warnings) <= 1, (text, what)
     after = snapshot_config(bundle)
     if after != before_config:  # the wrapper wrote config.json
         # operator_only_criu_config: what runc hands CRIU is the operator's file or
@@ -751,7 +753,7 @@ def snapshot_config(bundle: Path) -> Any:
         return None
 
 
-@fuzz("CUDAHOOK_FUZZ_WRAPPER", 1500)
+@fuzz("CUDAHOOK_FUZZ_WRAPPER", 2000)
 @given(case=wrapper_case())
 def test_fuzz_runtime_wrapper(worker: Worker, base: Path, tools: dict[str, Path],
                               case: dict[str, Any]) -> None:
@@ -902,7 +904,7 @@ def lay_config(root: Path, case: dict[str, Any]) -> str:
     return str(path)
 
 
-@fuzz("CUDAHOOK_FUZZ_CONFIG", 1500)
+@fuzz("CUDAHOOK_FUZZ_CONFIG", 2000)
 @given(case=config_case(), how=st.sampled_from(["argument", "argument", "environment"]),
        command=st.sampled_from([["status", "--no-live"], ["status", "--no-live", "--json"],
                                 ["check", "--pid", "1"]]))
