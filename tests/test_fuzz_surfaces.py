@@ -39,7 +39,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudahook.admin import hookfiles
+from cudahook.admin import hookfiles, signing
 from cudahook.platform.errors import Exit
 
 from .test_fuzz_hooks import (
@@ -169,11 +169,29 @@ def tools(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "cuda-checkpoint": fake(d / "cuda-checkpoint", "import sys\nsys.exit(1)\n")}
 
 
-def node_config(root: Path, tools: dict[str, Path]) -> None:
-    """The node: one simulated GPU, its driver version from nvidia-smi."""
-    (root / "etc" / "cudahook" / "config.yaml").write_text(
-        f"nvidia_smi: {tools['nvidia-smi']}\ncuda_checkpoint: {tools['cuda-checkpoint']}\n"
-        f"backend: cli\ndriver_version_file: {root / 'no-driver'}\n")
+def node_config(root: Path, tools: dict[str, Path], trust: str | None = None,
+                keys: dict[str, Path] | None = None) -> None:
+    """The node: one simulated GPU, its driver version from nvidia-smi, and
+    what it trusts to sign archives."""
+    text = (f"nvidia_smi: {tools['nvidia-smi']}\ncuda_checkpoint: {tools['cuda-checkpoint']}\n"
+            f"backend: cli\ndriver_version_file: {root / 'no-driver'}\n")
+    if trust == "require" and keys:
+        text += f"migrate_require_signature: true\nmigrate_trusted_keys_dir: {keys['dir']}\n"
+    elif trust == "keys-dir" and keys:
+        text += f"migrate_trusted_keys_dir: {keys['dir']}\n"
+    (root / "etc" / "cudahook" / "config.yaml").write_text(text)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The node's signing key (its public half trusted), and another."""
+    d = tmp_path_factory.mktemp("keys")
+    (d / "trusted").mkdir()
+    signing.keygen(d / "node")
+    signing.keygen(d / "other")
+    shutil.copy(d / "node.pub", d / "trusted" / "node.pub")
+    return {"node": d / "node", "other": d / "other", "public": d / "node.pub",
+            "dir": d / "trusted"}
 
 
 def podman_calls(root: Path) -> list[dict[str, Any]]:
@@ -316,8 +334,11 @@ def migrate_case(draw: st.DrawFn) -> dict[str, Any]:
         "sha256": draw(st.sampled_from(["good"] * 8 + ["wrong", "missing", "garbage", "fifo",
                                                      "symlink", "dev-zero", "directory", "huge",
                                                      "upper", "two"])),
-        "sig": draw(st.sampled_from(["none"] * 6 + ["garbage", "fifo", "symlink", "dev-zero",
-                                                   "huge", "directory"])),
+        "sig": draw(st.sampled_from(["none"] * 4 + ["good"] * 3 + [
+            "garbage", "fifo", "symlink", "dev-zero", "huge", "directory", "other-key",
+            "tampered", "wrong-size"])),
+        # What this node trusts: nothing, a required signature, --verify-key, a keys directory.
+        "trust": draw(st.sampled_from([None] * 3 + ["require", "verify-key", "keys-dir"])),
         "archive_kind": draw(st.sampled_from(["file"] * 20 + ["fifo", "symlink", "directory"])),
         "flags": draw(st.lists(st.sampled_from(["--no-verify", "--dry-run", "--json"]),
                                unique=True, max_size=2)),
@@ -361,6 +382,10 @@ def hostile_by_construction(case: dict[str, Any]) -> list[str]:
     verify = "--no-verify" not in case["flags"]
     if verify and case["sha256"] not in ("good", "upper", "two"):
         why.append(f"sha256 sidecar {case['sha256']}")
+    trust, sig = case.get("trust"), case.get("sig")
+    if (trust in ("require", "verify-key") and sig != "good") or (
+            trust == "keys-dir" and sig not in ("good", "none")):
+        why.append(f"signature {sig} where {trust}")
     seen: set[str] = set()
     for m in case["members"]:
         name = m["name"]
@@ -390,7 +415,7 @@ def lay_sidecar(path: Path, kind: str, good: str) -> None:
         lay(path, kind, f"{good}  ckpt\n".encode(), cap=4096)
 
 
-def lay_archive(root: Path, case: dict[str, Any]) -> Path:
+def lay_archive(root: Path, case: dict[str, Any], keys: dict[str, Path] | None = None) -> Path:
     import hashlib
 
     data = build_archive(case)
@@ -404,11 +429,20 @@ def lay_archive(root: Path, case: dict[str, Any]) -> Path:
         archive.symlink_to("real.tar.gz")
     else:
         lay(archive, case["archive_kind"])
-    lay_sidecar(d / "ckpt.tar.gz.sha256", case["sha256"], hashlib.sha256(data).hexdigest())
-    if case["sig"] == "garbage":
-        (d / "ckpt.tar.gz.sig").write_bytes(b"\x00\xff" * 40)
-    elif case["sig"] != "none":
-        lay(d / "ckpt.tar.gz.sig", case["sig"], b"sig", cap=4096)
+    digest = hashlib.sha256(data).hexdigest()
+    lay_sidecar(d / "ckpt.tar.gz.sha256", case["sha256"], digest)
+    sig, target = case["sig"], d / "ckpt.tar.gz.sig"
+    if sig in ("good", "other-key", "tampered", "wrong-size") and keys is not None:
+        key = signing.load_private(keys["other" if sig == "other-key" else "node"])
+        signing.sign(archive, digest, len(data) + (sig == "wrong-size"), "c", key)
+        if sig == "tampered":  # the statement changed after signing
+            doc = json.loads(target.read_text())
+            doc["statement"] = doc["statement"].replace('"c"', '"d"')
+            target.write_text(json.dumps(doc))
+    elif sig == "garbage":
+        target.write_bytes(b"\x00\xff" * 40)
+    elif sig not in ("none", "good", "other-key", "tampered", "wrong-size"):
+        lay(target, sig, b"sig", cap=4096)
     return archive
 
 
@@ -442,12 +476,14 @@ def check_migrate(root: Path, case: dict[str, Any], result: dict[str, Any], what
 @fuzz("CUDAHOOK_FUZZ_MIGRATE", 2000)
 @given(case=migrate_case())
 def test_fuzz_migrate_restore(worker: Worker, base: Path, tools: dict[str, Path],
-                              case: dict[str, Any]) -> None:
+                              keys: dict[str, Path], case: dict[str, Any]) -> None:
     root = new_root(base)
-    node_config(root, tools)
-    archive = lay_archive(root, case)
+    node_config(root, tools, case["trust"], keys)
+    archive = lay_archive(root, case, keys)
     argv = ["migrate", "restore", str(archive), "--podman", str(tools["podman"]),
             "--timeout", "10", *case["flags"]]
+    if case["trust"] == "verify-key":
+        argv += ["--verify-key", str(keys["public"])]
     if case["name"] is not None:
         argv.append(f"--name={case['name']}")
     before = snapshot(root, allowed=(*STATE, "podman.log"))
