@@ -598,7 +598,7 @@ def sleeper() -> Iterator[int]:
     p.wait()
 
 
-@fuzz("CUDAHOOK_FUZZ_CLI", 3000)
+@fuzz("CUDAHOOK_FUZZ_CLI", 2000)
 @given(case=cli_case())
 def test_fuzz_admin_cli(worker: Worker, base: Path, tools: dict[str, Path], sleeper: int,
                         case: tuple[str, list[str]]) -> None:
