@@ -787,3 +787,25 @@ def test_one_line_errors__podman_exits_0_without_an_archive(tmp_path: Path) -> N
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "wrote no archive" in lines[0], r.stderr
     assert list(tmp_path.glob("job.tar.gz*")) == []
+
+
+def test_one_line_errors__the_archive_path_is_escaped(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    r = node.restore(tmp_path / "\u202e\u2066x\x1b[2J")
+    refused(r, Exit.USAGE, "no such archive", node)
+    assert "\u202e" not in r.stderr and "\\u202e" in r.stderr
+    a = good_archive(tmp_path / "d")
+    odd = a.rename(a.with_name("job\x1b]0;x\x07.tar.gz"))
+    r = node.restore(odd)
+    refused(r, Exit.USAGE, "is missing", node)
+
+
+@pytest.mark.parametrize("data", [b'{"name": "\xff"}', b"[" * 100_000, b"[1]"])
+def test_one_line_errors__a_malformed_config_dump_is_bad_input(tmp_path: Path,
+                                                               data: bytes) -> None:
+    node = Node(tmp_path)
+    node.fake()
+    a = archive(tmp_path, {**MEMBERS, "config.dump": data})
+    r = node.restore(a)
+    refused(r, Exit.USAGE, "config.dump in the archive", node)

@@ -57,7 +57,11 @@ GZIP_MAGIC = b"\x1f\x8b"
 
 
 class ArchiveRefused(UsageError):
-    """The archive is not one cudahook reads: bad input, nothing kept."""
+    """The archive is not one cudahook reads: bad input, nothing kept. Its
+    message is one escaped line (it names what the archive holds)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 class ReadTimedOut(ArchiveRefused):
@@ -376,12 +380,12 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
     then `end_copy`), within `room` bytes."""
     from cudahook.platform import safeio
 
-    what = str(archive)
+    what = one_line(str(archive))  # in messages: the path as given, escaped
     deadline = time.monotonic() + timeout_s
     try:
-        fd = safeio.open_regular(what, 1 << 62)
+        fd = safeio.open_regular(str(archive), 1 << 62)
     except safeio.FileRefused as exc:
-        raise ArchiveRefused(str(exc)) from exc
+        raise ArchiveRefused(one_line(str(exc))) from exc
     except OSError as exc:
         raise ArchiveRefused(f"{what}: unreadable ({exc.strerror})") from exc
     out = Scan()
@@ -410,7 +414,7 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
                 need = written + len(header) + m.size + BLOCK
                 if need > room:
                     raise EnvironmentProblem(
-                        f"no room for the restore's copy of {archive.name}: it needs more than "
+                        f"no room for the restore's copy of {show(archive.name)}: it needs more than "
                         f"{need} bytes, {room} are free (after a {RESERVE} byte reserve); "
                         "free space or use --work-dir")
             if to_copy:
@@ -459,19 +463,19 @@ def read_member(archive: Path, name: str, limit: int, timeout_s: float = 60.0) -
     from cudahook.platform import safeio
 
     fd = safeio.open_regular(str(archive), 1 << 62)
+    what = one_line(str(archive))
     try:
-        stream = Stream(fd, str(archive), DEFAULT_MAX_BYTES, time.monotonic() + timeout_s,
-                        timeout_s)
-        for m in _members(stream, str(archive)):
+        stream = Stream(fd, what, DEFAULT_MAX_BYTES, time.monotonic() + timeout_s, timeout_s)
+        for m in _members(stream, what):
             if m.name == name and not m.isdir():
                 if m.size > limit:
-                    raise ArchiveRefused(f"{archive}: {show(name)} is past {limit} bytes")
+                    raise ArchiveRefused(f"{what}: {show(name)} is past {limit} bytes")
                 return stream.read(m.size)
             for _ in stream.pieces(m.size + -m.size % BLOCK):
                 pass
         return None
     except OSError as exc:
-        raise ArchiveRefused(f"{archive}: unreadable ({exc.strerror})") from exc
+        raise ArchiveRefused(f"{what}: unreadable ({exc.strerror})") from exc
     finally:
         os.close(fd)
 

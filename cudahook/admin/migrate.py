@@ -92,18 +92,19 @@ def expected_checksum(archive: Path) -> str:
     try:
         text = safeio.read_bytes(side, 4096).decode(errors="replace")
     except FileNotFoundError:
-        raise UsageError(f"{side} is missing: the archive cannot be checked "
+        raise UsageError(f"{one_line(str(side))} is missing: the archive cannot be checked "
                          "(copy it with the archive, or --no-verify)") from None
     except (OSError, safeio.FileRefused) as exc:
-        raise UsageError(f"{side}: unreadable ({one_line(str(exc))})") from None
+        raise UsageError(one_line(f"{side}: unreadable ({exc})")) from None
     want = text.split()[0].lower() if text.split() else ""
     if not re.fullmatch(r"[0-9a-f]{64}", want):
-        raise UsageError(f"{side}: not a sha256 checksum")
+        raise UsageError(f"{one_line(str(side))}: not a sha256 checksum")
     return want
 
 
 def mismatch(archive: Path, got: str | None, want: str) -> UsageError:
-    return UsageError(f"{archive} does not match {sidecar(archive).name} (damaged or cut short "
+    return UsageError(f"{one_line(str(archive))} does not match "
+                      f"{one_line(sidecar(archive).name)} (damaged or cut short "
                       f"in transit): sha256 {got or 'unreadable'}, expected {want}")
 
 
@@ -113,7 +114,7 @@ def verify_checksum(archive: Path) -> str:
     try:
         got = sha256_of(archive)
     except OSError as exc:
-        raise UsageError(f"{archive}: unreadable ({exc.strerror})") from None
+        raise UsageError(f"{one_line(str(archive))}: unreadable ({exc.strerror})") from None
     if got != want:
         raise mismatch(archive, got, want)
     return got
@@ -141,7 +142,7 @@ def scan(archive: Path, copy_to: Path | None = None, *,
                            room=room, max_bytes=max_bytes, timeout_s=timeout_s)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-            raise EnvironmentProblem(f"cannot write the restore's copy of {archive.name}: "
+            raise EnvironmentProblem(f"cannot write the restore's copy of {ar.show(archive.name)}: "
                                      f"{exc.strerror}") from None
         raise
 
@@ -193,14 +194,23 @@ CRIU_CONFIG_ANNOTATIONS = ("org.criu.config", "cudahook.io/criu-config")
 TOKEN_ANNOTATION = "cudahook-migrate/restore-token"
 
 
+def _json(small: dict[str, bytes], name: str) -> Any:
+    """A JSON member of the archive (strict UTF-8, nesting bounded): exit 2
+    when it is missing or malformed."""
+    from cudahook.platform import safeio
+
+    if name not in small:
+        raise UsageError(f"{name} is not in the archive")
+    try:
+        return safeio.parse_json(small[name], f"{name} in the archive")
+    except safeio.FileRefused as exc:
+        raise UsageError(one_line(str(exc))) from exc
+
+
 def _specs(small: dict[str, bytes]) -> Iterator[tuple[str, Any, dict[str, Any]]]:
     """(file, its JSON, the OCI spec in it) for spec.dump and config.dump."""
     for name in SPEC_FILES:
-        try:
-            data = json.loads(small[name])
-        except (KeyError, ValueError, RecursionError) as exc:
-            raise UsageError(f"{name} in the archive is unreadable "
-                             f"({one_line(str(exc), 200)})") from None
+        data = _json(small, name)
         spec = data if name == "spec.dump" else data.get("spec") if isinstance(data, dict) else None
         if not isinstance(spec, dict):
             raise UsageError(f"{name} in the archive holds no container spec")
@@ -452,7 +462,7 @@ def _need_image(ctx: Any, podman: Sequence[str], config: dict[str, Any]) -> None
                                  "same ID) first")
 
 
-#: podman's rule for a container name (and a cap: it goes on podman's command line and is printed).
+#: podman's rule for a container name.
 NAME_RE = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,252}")
 
 
@@ -487,8 +497,8 @@ def make_work(ctx: Any, parent: Path) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{pid}-{ctx.host.start_time(pid)}-",
                                      dir=parent))
     except OSError as exc:
-        raise EnvironmentProblem(f"cannot make a work directory in {parent}: {exc.strerror}"
-                                 ) from None
+        raise EnvironmentProblem(f"cannot make a work directory in {one_line(str(parent))}: "
+                                 f"{exc.strerror}") from None
 
 
 def sweep_stale(ctx: Any, parent: Path) -> list[str]:
@@ -578,7 +588,7 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
     from . import signing
 
     if not archive.is_file():
-        raise UsageError(f"{archive}: no such archive")
+        raise UsageError(f"{one_line(str(archive))}: no such archive")
     if name is not None and not NAME_RE.fullmatch(name):
         raise UsageError(f"--name {ar.show(name)}: not a container name")
     max_bytes, require, keys_dir = _limits(ctx)
@@ -594,7 +604,8 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                                        "(--verify-key, migrate_trusted_keys_dir)")
     parent = Path(work_dir or tempfile.gettempdir())
     if not parent.is_dir():
-        raise EnvironmentProblem(f"cannot make a work directory in {parent}: no such directory")
+        raise EnvironmentProblem(f"cannot make a work directory in {one_line(str(parent))}: "
+                                 "no such directory")
     sweep_stale(ctx, parent)
     token = uuid.uuid4().hex
     with _interruptible() as deferred:
@@ -622,7 +633,7 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                 verified.append(f"origin (signed by {origin['key_id']})")
             for required in SPEC_FILES:
                 if required not in found.small:
-                    raise UsageError(f"{archive}: not a podman checkpoint archive "
+                    raise UsageError(f"{one_line(str(archive))}: not a podman checkpoint archive "
                                      f"(no {required})")
             data = _manifest(found.small)
             targets: list[str] | None = None
@@ -633,11 +644,10 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                 verified.append("restore gate")
             elif gpus:
                 raise UsageError("--gpus: the checkpoint holds no CUDA state")
-            try:
-                config = json.loads(found.small["config.dump"])
-                final = name or str(config.get("name") or "")
-            except (ValueError, AttributeError, RecursionError):
-                raise UsageError("config.dump in the archive is unreadable") from None
+            config = _json(found.small, "config.dump")
+            if not isinstance(config, dict):
+                raise UsageError("config.dump in the archive is not a JSON object")
+            final = name or str(config.get("name") or "")
             if final and not NAME_RE.fullmatch(final):
                 raise UsageError(f"config.dump in the archive names the container "
                                  f"{ar.show(final)}: not a container name (--name gives the "

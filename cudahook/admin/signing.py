@@ -37,7 +37,10 @@ MAX_TRUSTED = 256
 
 class SignatureRefused(UsageError):
     """The archive's signature is missing, malformed or made by no trusted
-    key: untrusted input, nothing was changed."""
+    key: untrusted input, nothing was changed. One escaped line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 def _crypto() -> Any:
