@@ -437,3 +437,28 @@ def test_never_break_plain_container__bad_configuration_still_names_no_foreign_f
     node.wrap("c1", b)
     assert node.notes(b)[criuconf.ANNOTATION] == ""
     assert [w for w in node.warnings() if "NOT covered" in w]
+
+
+@pytest.mark.parametrize("value", ["/dev/zero", "{etc}", "{etc}/sub", "a\tb", "{etc}/\u00e9.conf"])
+def test_operator_only_criu_config__odd_values_never_reach_criu(node: Node, value: str) -> None:
+    (node.etc_criu / "sub").mkdir()
+    b = node.bundle("b", {criuconf.ANNOTATION: value.format(etc=node.etc_criu)})
+    node.wrap("c1", b)
+    assert_only_ours(node, b, "c1")
+
+
+@pytest.mark.parametrize("args", [["--bundle", "{b}", ""], ["--bundle", "{b}", "--", "-c1"],
+                                  ["--bundle", "{b}", "c/1"]])
+def test_operator_only_criu_config__no_usable_id_names_no_file(node: Node,
+                                                               args: list[str]) -> None:
+    """An id the wrapper cannot name a copy by: the container's own file is
+    not left for CRIU either."""
+    conf, _ = evil_conf(node)
+    b = node.bundle("b", {criuconf.ANNOTATION: str(conf)})
+    r = subprocess.run([str(node.hooks["cudahook-runtime"]), "--log", str(node.tmp / "runc.log"),
+                        "create", *(a.format(b=b) for a in args)],
+                       env=SCRUBBED, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert node.runc_argv.exists()  # runc ran, to refuse or not as it sees fit
+    assert node.notes(b)[criuconf.ANNOTATION] == ""
+    assert [w for w in node.warnings() if "NOT covered" in w]

@@ -52,6 +52,8 @@ def split(argv: list[str]) -> tuple[dict[str, str], str | None, list[str]]:
 
 def bundle_of(args: list[str]) -> str:
     for i, a in enumerate(args):
+        if a == "--":  # what follows is the id, not an option
+            break
         if a in ("--bundle", "-b") and i + 1 < len(args):
             return args[i + 1]
         for flag in ("--bundle=", "-b="):
@@ -60,9 +62,14 @@ def bundle_of(args: list[str]) -> str:
     return "."
 
 
-def container_id(args: list[str]) -> str | None:
-    """The container id of create, run and restore: their last argument."""
-    return args[-1] if args and not args[-1].startswith("-") else None
+def container_id(args: list[str]) -> str:
+    """The container id of create, run and restore: their last argument, or
+    the one after "--" (an id may start with "-"). "" where there is none:
+    runc refuses the command, and no CRIU file is named meanwhile."""
+    if "--" in args:
+        rest = args[args.index("--") + 1:]
+        return rest[0] if rest else ""
+    return args[-1] if args and not args[-1].startswith("-") else ""
 
 
 def add_hooks(bundle: str, hook: str, cid: str | None = None,
