@@ -123,6 +123,8 @@ def _alias_bomb() -> str:
     ("nan", "call_timeout_s: .nan\n", "call_timeout_s: not a finite number"),
     ("inf", "vmm_timeout_s: .inf\n", "vmm_timeout_s: not a finite number"),
     ("negative_inf", "guardian_wait_s: -.inf\n", "guardian_wait_s: not a finite number"),
+    ("nan_wait", "guardian_wait_s: .nan\n", "guardian_wait_s: not a finite number"),
+    ("nan_retention", "state_retention_s: .NaN\n", "state_retention_s: not a finite number"),
     ("huge_integer", "max_parallel: " + "9" * 5000 + "\n", "too many digits"),
     ("large_integer", "lock_timeout_ms: " + "9" * 4000 + "\n", "lock_timeout_ms"),
     ("huge_float", "call_timeout_s: 1e300\n", "call_timeout_s"),
