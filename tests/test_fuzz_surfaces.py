@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cudahook.admin import hookfiles, signing
@@ -473,7 +473,17 @@ def check_migrate(root: Path, case: dict[str, Any], result: dict[str, Any], what
                 assert "--" in argv and argv.index("--") < argv.index(value), (argv, what)
 
 
+# fuzz-findings (migrate): a gzip member inflating to a multiple of 1 MiB, then another
+# gzip member, makes archive.Stream spin until --timeout. Not fixed in any branch yet.
+BOMB_THEN_MEMBER = {"members": base_members(), "format": tarfile.GNU_FORMAT, "ending": "zeros",
+                    "compress": "bomb", "cut": None, "sha256": "good", "sig": "none",
+                    "trust": None, "archive_kind": "file", "flags": [], "name": None}
+
+
+@pytest.mark.xfail(strict=True, reason="fuzz finding [migrate]: a 16 MiB gzip member then a "
+                   "second one spins archive.Stream._inflate until --timeout")
 @fuzz("CUDAHOOK_FUZZ_MIGRATE", 2000)
+@example(case=BOMB_THEN_MEMBER)
 @given(case=migrate_case())
 def test_fuzz_migrate_restore(worker: Worker, base: Path, tools: dict[str, Path],
                               keys: dict[str, Path], case: dict[str, Any]) -> None:
@@ -789,7 +799,18 @@ def snapshot_config(bundle: Path) -> Any:
         return None
 
 
+# fuzz-findings (wrapper): a GPU container whose id the wrapper refuses and whose
+# org.criu.config names its own file gets two warning lines. Not fixed in any branch yet.
+TWO_WARNINGS = {"config": ("file", json.dumps(SPEC).encode()), "gpu": "env",
+                "criu_notes": {"org.criu.config": "EVIL"}, "runc_conf": "absent",
+                "command": "create", "cid": "a\rb", "log": "none", "bundle_flag": "--bundle"}
+TWO_WARNINGS_REASON = ("fuzz finding [wrapper]: a refused container id and the container's own "
+                       "org.criu.config give two warning lines")
+
+
+@pytest.mark.xfail(strict=True, reason=TWO_WARNINGS_REASON)
 @fuzz("CUDAHOOK_FUZZ_WRAPPER", 2000)
+@example(case=TWO_WARNINGS)
 @given(case=wrapper_case())
 def test_fuzz_runtime_wrapper(worker: Worker, base: Path, tools: dict[str, Path],
                               case: dict[str, Any]) -> None:
@@ -823,7 +844,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory, tools: dict[str, Path]
             os.environ["CUDAHOOK_ROOT"] = old
 
 
+@pytest.mark.xfail(strict=True, reason=TWO_WARNINGS_REASON)
 @fuzz("CUDAHOOK_FUZZ_SHELL", 100)
+@example(case=TWO_WARNINGS)
 @given(case=wrapper_case())
 def test_fuzz_installed_runtime_wrapper(installed: dict[str, Path], base: Path,
                                         tools: dict[str, Path], case: dict[str, Any]) -> None:
