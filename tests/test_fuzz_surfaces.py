@@ -31,12 +31,13 @@ import stat
 import subprocess
 import sys
 import tarfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import example, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from cudahook.admin import hookfiles, signing
@@ -346,19 +347,34 @@ def migrate_case(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-@functools.cache
-def bomb() -> bytes:
-    """A member of 16 MiB of zeros in about 16 KiB of gzip: small on disk, and
-    the same pass must inflate (and bound) all of it."""
+def bomb_member() -> bytes:
     big = tarfile.TarInfo("checkpoint/pages-2.img")
     big.size = 16 << 20
-    return gzip.compress(big.tobuf(tarfile.GNU_FORMAT) + b"\0" * big.size, 9)
+    return big.tobuf(tarfile.GNU_FORMAT) + b"\0" * big.size
+
+
+@functools.cache
+def bomb_state() -> Any:
+    """A gzip compressor that has taken 16 MiB of zeros (a tar member):
+    copied for each archive, the same gzip member goes on with its tar."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    z.compress(bomb_member())
+    return z
+
+
+@functools.cache
+def bomb() -> bytes:
+    """The 16 MiB member alone, in about 16 KiB of gzip: a member of its own."""
+    return gzip.compress(bomb_member(), 9)
 
 
 def build_archive(case: dict[str, Any]) -> bytes:
     raw = archive_bytes(case["members"], case["format"], case["ending"])
     how = case["compress"]
-    if how == "bomb":  # a gzip member of 16 MiB of zeros, then the archive's own
+    if how == "bomb":  # 16 MiB of zeros, then the archive, in one gzip member
+        z = bomb_state().copy()
+        data = z.compress(raw) + z.flush()
+    elif how == "bomb-then-member":  # the same bomb, then the archive in a second member
         data = bomb() + gzip.compress(raw, 1)
     elif how == "concat":  # two gzip members back to back (gzip reads both)
         data = gzip.compress(raw[: len(raw) // 2]) + gzip.compress(raw[len(raw) // 2:])
@@ -399,7 +415,7 @@ def hostile_by_construction(case: dict[str, Any]) -> list[str]:
         seen.add(norm)
         if m["size"] == "huge" and m["kind"] in ("reg", "cont", "sparse"):
             why.append(f"member {name!r} cut short")
-    if case["compress"] in ("gzip", "bomb", "concat") and case["cut"]:
+    if case["compress"] != "none" and case["cut"]:
         why.append("gzip stream cut short")
     return why
 
@@ -473,17 +489,7 @@ def check_migrate(root: Path, case: dict[str, Any], result: dict[str, Any], what
                 assert "--" in argv and argv.index("--") < argv.index(value), (argv, what)
 
 
-# fuzz-findings (migrate): a gzip member inflating to a multiple of 1 MiB, then another
-# gzip member, makes archive.Stream spin until --timeout. Not fixed in any branch yet.
-BOMB_THEN_MEMBER = {"members": base_members(), "format": tarfile.GNU_FORMAT, "ending": "zeros",
-                    "compress": "bomb", "cut": None, "sha256": "good", "sig": "none",
-                    "trust": None, "archive_kind": "file", "flags": [], "name": None}
-
-
-@pytest.mark.xfail(strict=True, reason="fuzz finding [migrate]: a 16 MiB gzip member then a "
-                   "second one spins archive.Stream._inflate until --timeout")
 @fuzz("CUDAHOOK_FUZZ_MIGRATE", 2000)
-@example(case=BOMB_THEN_MEMBER)
 @given(case=migrate_case())
 def test_fuzz_migrate_restore(worker: Worker, base: Path, tools: dict[str, Path],
                               keys: dict[str, Path], case: dict[str, Any]) -> None:
@@ -510,6 +516,21 @@ def test_fuzz_migrate_restore(worker: Worker, base: Path, tools: dict[str, Path]
         # The archive and its sidecars as they came; no work directory left in $TMPDIR.
         assert snapshot(root, allowed=(*STATE, "podman.log")) == before, what
     shutil.rmtree(root)
+
+
+# A known bug: the bomb, then the archive in a second gzip member, makes
+# archive.Stream spin until --timeout. Strict: the fix makes this fail until the mark goes.
+BOMB_THEN_MEMBER = {"members": base_members(), "format": tarfile.GNU_FORMAT, "ending": "zeros",
+                    "compress": "bomb-then-member", "cut": None, "sha256": "good", "sig": "none",
+                    "trust": None, "archive_kind": "file", "flags": [], "name": None}
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: a 16 MiB gzip member then a second one spins "
+                   "archive.Stream._inflate until --timeout")
+def test_archive_bounded__a_bomb_then_a_second_gzip_member_in_bounded_time(
+        worker: Worker, base: Path, tools: dict[str, Path], keys: dict[str, Path]) -> None:
+    test_fuzz_migrate_restore.hypothesis.inner_test(  # type: ignore[attr-defined]
+        worker=worker, base=base, tools=tools, keys=keys, case=BOMB_THEN_MEMBER)
 
 
 # -- the admin command line ---------------------------------------------------------------------
@@ -756,6 +777,15 @@ def effective_criu_config(root: Path, bundle: Path) -> tuple[str | None, str]:
     return path, text
 
 
+def without_known_bug(lines: list[str]) -> list[str]:
+    """The wrapper's warnings but the second of a known bug's pair (see
+    test_never_break_plain_container__one_warning_for_a_refused_id): a refused
+    container id after a refused CRIU file warns twice."""
+    if len(lines) == 2 and "is not a file in" in lines[0] and "invalid container id" in lines[1]:
+        return lines[:1]
+    return lines
+
+
 def check_wrapper(root: Path, bundle: Path, args: list[str], runc: str,
                   result: dict[str, Any], before_config: Any, what: str) -> None:
     assert not result.get("hang"), f"no answer within {HANG_S}s: {what}"
@@ -763,7 +793,8 @@ def check_wrapper(root: Path, bundle: Path, args: list[str], runc: str,
     # never_break_plain_container: runc runs, with the arguments unchanged.
     assert result["exec"] == [runc, *args], (result, what)
     err = result["stderr"]
-    assert err.count("\n") <= 1 and not unsafe_chars(err + result["stdout"]), (err, what)
+    assert not unsafe_chars(err + result["stdout"]), (err, what)
+    assert len(without_known_bug(err.splitlines())) <= 1, (err, what)
     assert result["seconds"] < SLOW_S, (result["seconds"], what)
     assert not result.get("refused"), (result["refused"], what)
     log = root / "runc.log"
@@ -772,7 +803,7 @@ def check_wrapper(root: Path, bundle: Path, args: list[str], runc: str,
         assert not unsafe_chars(text), (text, what)
         # One warning at most (the info line that the hooks went in may follow).
         warnings = [x for x in text.splitlines() if "warning" in x or "error" in x]
-        assert len(warnings) <= 1, (text, what)
+        assert len(without_known_bug(warnings)) <= 1, (text, what)
     after = snapshot_config(bundle)
     if after != before_config:  # the wrapper wrote config.json
         # operator_only_criu_config: what runc hands CRIU is the operator's file or
@@ -799,18 +830,7 @@ def snapshot_config(bundle: Path) -> Any:
         return None
 
 
-# fuzz-findings (wrapper): a GPU container whose id the wrapper refuses and whose
-# org.criu.config names its own file gets two warning lines. Not fixed in any branch yet.
-TWO_WARNINGS = {"config": ("file", json.dumps(SPEC).encode()), "gpu": "env",
-                "criu_notes": {"org.criu.config": "EVIL"}, "runc_conf": "absent",
-                "command": "create", "cid": "a\rb", "log": "none", "bundle_flag": "--bundle"}
-TWO_WARNINGS_REASON = ("fuzz finding [wrapper]: a refused container id and the container's own "
-                       "org.criu.config give two warning lines")
-
-
-@pytest.mark.xfail(strict=True, reason=TWO_WARNINGS_REASON)
 @fuzz("CUDAHOOK_FUZZ_WRAPPER", 2000)
-@example(case=TWO_WARNINGS)
 @given(case=wrapper_case())
 def test_fuzz_runtime_wrapper(worker: Worker, base: Path, tools: dict[str, Path],
                               case: dict[str, Any]) -> None:
@@ -831,6 +851,26 @@ def test_fuzz_runtime_wrapper(worker: Worker, base: Path, tools: dict[str, Path]
     shutil.rmtree(root)
 
 
+# A known bug: a GPU container whose id the wrapper refuses, naming its own
+# CRIU file, gets two warning lines. Strict: the fix makes this fail until the mark goes.
+TWO_WARNINGS = {"config": ("file", json.dumps(SPEC).encode()), "gpu": "env",
+                "criu_notes": {"org.criu.config": "EVIL"}, "runc_conf": "absent",
+                "command": "create", "cid": "a\rb", "log": "none", "bundle_flag": "--bundle"}
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: a refused container id and the container's "
+                   "own org.criu.config give two warning lines")
+def test_never_break_plain_container__one_warning_for_a_refused_id(
+        worker: Worker, base: Path, tools: dict[str, Path]) -> None:
+    root = new_root(base)
+    bundle, _, hook = lay_wrapper(root, TWO_WARNINGS)
+    args = runc_args(root, TWO_WARNINGS, bundle)
+    result = worker.call({"hook": "wrapper", "argv": [str(tools["runc"]), str(hook), *args],
+                          "env": env_for(root), "cwd": str(root), "stdin": ""})
+    assert result["exec"] == [str(tools["runc"]), *args], result
+    assert result["stderr"].count("\n") == 1, result["stderr"]
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory, tools: dict[str, Path]
               ) -> dict[str, Path]:
@@ -844,9 +884,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory, tools: dict[str, Path]
             os.environ["CUDAHOOK_ROOT"] = old
 
 
-@pytest.mark.xfail(strict=True, reason=TWO_WARNINGS_REASON)
 @fuzz("CUDAHOOK_FUZZ_SHELL", 100)
-@example(case=TWO_WARNINGS)
 @given(case=wrapper_case())
 def test_fuzz_installed_runtime_wrapper(installed: dict[str, Path], base: Path,
                                         tools: dict[str, Path], case: dict[str, Any]) -> None:
