@@ -16,20 +16,25 @@ hundred go through the installed shell hooks as the runtimes and CRIU start them
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import resource
+import select
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import time
+import unicodedata
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cudahook.admin import hookfiles
@@ -42,6 +47,7 @@ from cudahook.vmm import coordinator as vmm
 EXITS = {0, 1, 2, 3, 4, 5, 6}
 MEMORY_LIMIT = 2 << 30  # address space of the worker and of each hook process
 SLOW_S = 8.0  # no call may take longer (the longest deadline cudahook has is 10 s)
+HANG_S = 2 * SLOW_S  # past this a call is a hang: the worker is killed and the case fails
 WORKER = Path(__file__).with_name("fuzz_worker.py")
 SCRUBBED = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 # Written by cudahook, relative to the node root; everything else must stay as it was.
@@ -50,34 +56,133 @@ U0 = "GPU-11111111-2222-3333-4444-555555555555"
 
 
 def fuzz(env: str, default: int) -> settings:
-    """Hypothesis settings for `default` examples ($CUDAHOOK_FUZZ_* overrides)."""
+    """Hypothesis settings for `default` examples ($CUDAHOOK_FUZZ_* overrides).
+
+    No shrinking unless $CUDAHOOK_FUZZ_SHRINK is set: a failing case is
+    printed whole, and a hang found in CI costs one deadline, not one per
+    shrinking step."""
+    phases = list(Phase) if os.environ.get("CUDAHOOK_FUZZ_SHRINK") else [
+        Phase.explicit, Phase.generate]
     return settings(max_examples=int(os.environ.get(env, default)), deadline=None,
-                    database=None,
+                    database=None, phases=phases,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.function_scoped_fixture])
+
+
+# -- what the run did, per surface: printed at the end of the session ---------------------------
+
+
+STATS: dict[str, Counter[str]] = defaultdict(Counter)
+DURATIONS: dict[str, float] = {}
+
+
+def tally(surface: str, result: dict[str, Any]) -> None:
+    """Count one example of `surface` by its outcome."""
+    if result.get("hang"):
+        outcome = "hang"
+    elif result.get("raised"):
+        outcome = "traceback"
+    else:
+        outcome = f"exit {result.get('rc')}"
+    STATS[surface][outcome] += 1
+    STATS[surface]["examples"] += 1
+
+
+EXPLORE = os.environ.get("CUDAHOOK_FUZZ_EXPLORE")
+
+
+@contextlib.contextmanager
+def verdict(surface: str) -> Iterator[None]:
+    """The checks of one example of `surface`. With $CUDAHOOK_FUZZ_EXPLORE
+    (a file), a failed check is appended there and the run goes on: how a
+    fuzzing session collects every distinct finding, not only the first."""
+    try:
+        yield
+    except AssertionError as exc:
+        STATS[surface]["failed"] += 1
+        if not EXPLORE:
+            raise
+        with open(EXPLORE, "a") as f:
+            f.write(json.dumps({"surface": surface, "failure": str(exc)[:4000]}) + "\n")
+
+
+class FuzzSummary:
+    """Examples and outcomes per surface, and each fuzz test's time, in the
+    terminal summary (with or without -s) and in $CUDAHOOK_FUZZ_REPORT."""
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" and "fuzz" in report.nodeid:
+            DURATIONS[report.nodeid] = report.duration
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not STATS:
+            return
+        terminalreporter.section("cudahook fuzz: examples per surface")
+        for surface, counts in sorted(STATS.items()):
+            outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())
+                                 if k != "examples")
+            terminalreporter.write_line(f"{surface}: {counts['examples']} examples ({outcomes})")
+        for nodeid, seconds in sorted(DURATIONS.items()):
+            terminalreporter.write_line(f"{nodeid}: {seconds:.1f}s")
+        out = os.environ.get("CUDAHOOK_FUZZ_REPORT")
+        if out:
+            Path(out).write_text(json.dumps({"surfaces": STATS, "seconds": DURATIONS}, indent=1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fuzz_summary(request: pytest.FixtureRequest) -> None:
+    manager = request.config.pluginmanager
+    if not manager.has_plugin("cudahook-fuzz-summary"):
+        plugin = FuzzSummary()
+        manager.register(plugin, "cudahook-fuzz-summary")
 
 
 # -- the harness ------------------------------------------------------------------------------
 
 
 class Worker:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), str(MEMORY_LIMIT)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     cwd="/")
+    """The in-process worker; a call that outlives its deadline kills it (and
+    everything it started) and comes back as a hang, and the next call starts
+    a fresh one."""
 
-    def call(self, case: dict[str, Any]) -> dict[str, Any]:
+    def __init__(self) -> None:
+        self.proc = self._start()
+
+    @staticmethod
+    def _start() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, str(WORKER), str(MEMORY_LIMIT)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                cwd="/", start_new_session=True)
+
+    def call(self, case: dict[str, Any], timeout: float = HANG_S) -> dict[str, Any]:
+        if self.proc.poll() is not None:
+            self.proc = self._start()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps(case) + "\n")
         self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.kill()
+            return {"rc": None, "stderr": "", "stdout": "", "seconds": timeout, "raised": None,
+                    "refused": [], "hang": True}
         line = self.proc.stdout.readline()
         assert line, f"the worker died (exit {self.proc.wait()}) on {case}"
         return json.loads(line)  # type: ignore[no-any-return]
 
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def close(self) -> None:
+        if self.proc.poll() is not None:
+            return
         if self.proc.stdin:
             self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
 
 
 class Sleeper:
@@ -128,14 +233,14 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fuzz")
 
 
-def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
-    """Every path under root outside ALLOWED, as lstat sees it."""
+def snapshot(root: Path, allowed: tuple[str, ...] = ALLOWED) -> dict[str, tuple[Any, ...]]:
+    """Every path under root outside `allowed`, as lstat sees it."""
     seen: dict[str, tuple[Any, ...]] = {}
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
             p = Path(dirpath, name)
             rel = str(p.relative_to(root))
-            if any(rel == a or rel.startswith(a + "/") for a in ALLOWED):
+            if any(rel == a or rel.startswith(a + "/") for a in allowed):
                 continue
             st_ = p.lstat()
             kind = stat.S_IFMT(st_.st_mode)
@@ -148,7 +253,17 @@ def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
     return seen
 
 
+# Never on a terminal from cudahook: C0/C1 controls, format characters (bidi
+# overrides), line and paragraph separators, lone surrogates. "\n" ends a line.
+UNSAFE_CATEGORIES = {"Cc", "Cf", "Zl", "Zp", "Cs"}
+
+
+def unsafe_chars(text: str) -> list[str]:
+    return [repr(c) for c in text if c != "\n" and unicodedata.category(c) in UNSAFE_CATEGORIES]
+
+
 def check(result: dict[str, Any], case: str) -> None:
+    assert not result.get("hang"), f"no answer within {HANG_S}s: {case}"
     assert result["raised"] is None, f"{case}\n{result['raised']}"
     rc, err = result["rc"], result["stderr"]
     assert rc in EXITS, (rc, err, case)
@@ -158,6 +273,7 @@ def check(result: dict[str, Any], case: str) -> None:
     else:
         assert err.count("\n") == 1 and err.endswith("\n") and err.startswith("cudahook"), \
             (rc, err, case)
+    assert not unsafe_chars(err + result.get("stdout", "")), (err, result.get("stdout"), case)
     assert result["seconds"] < SLOW_S, (result["seconds"], case)
     assert not result.get("refused"), (result["refused"], case)
 
@@ -382,6 +498,7 @@ def test_fuzz_oci_hook_in_process(worker: Worker, sleeper: Sleeper, dead: int, b
     result = worker.call({"hook": "oci", "argv": case["argv"], "env": env_for(root),
                           "cwd": str(root),
                           "stdin": base64.b64encode(oci_stdin(case, bundle, pid, dead)).decode()})
+    tally("oci hook", result)
     check(result, repr(case)[:3000])
     assert snapshot(root) == before, case
     shutil.rmtree(root)
@@ -489,6 +606,7 @@ def test_fuzz_criu_action_in_process(worker: Worker, sleeper: Sleeper, dead: int
     before = snapshot(root)
     result = worker.call({"hook": "criu", "argv": [], "env": env, "cwd": str(root),
                           "stdin": "", "killable": [pid]})
+    tally("criu action", result)
     check(result, repr(case)[:3000])
     assert snapshot(root) == before, case
     shutil.rmtree(root)
@@ -514,10 +632,15 @@ def limit_memory() -> None:
 def run_installed(argv: list[str], env: dict[str, str], data: bytes,
                   cwd: Path) -> dict[str, Any]:
     t0 = time.monotonic()
-    r = subprocess.run(argv, input=data, env=env, cwd=cwd, capture_output=True,
-                       timeout=SLOW_S * 2, preexec_fn=limit_memory)
+    try:
+        r = subprocess.run(argv, input=data, env=env, cwd=cwd, capture_output=True,
+                           timeout=HANG_S, preexec_fn=limit_memory)
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "stderr": "", "stdout": "", "seconds": HANG_S, "raised": None,
+                "hang": True}
     return {"rc": r.returncode, "stderr": r.stderr.decode("utf-8", "replace"),
-            "seconds": time.monotonic() - t0, "raised": None}
+            "stdout": r.stdout.decode("utf-8", "replace"), "seconds": time.monotonic() - t0,
+            "raised": None}
 
 
 @fuzz("CUDAHOOK_FUZZ_SHELL", 200)
@@ -530,6 +653,7 @@ def test_fuzz_installed_oci_hook(installed: dict[str, Path], sleeper: Sleeper, d
     before = snapshot(root)
     argv = [str(installed["cudahook-oci-hook"]), *[a.replace("\x00", "") for a in case["argv"]]]
     result = run_installed(argv, env_for(root), oci_stdin(case, bundle, pid, dead), root)
+    tally("oci hook (installed)", result)
     check(result, repr(case)[:3000])
     assert snapshot(root) == before, case
     shutil.rmtree(root)
@@ -546,6 +670,30 @@ def test_fuzz_installed_action_script(installed: dict[str, Path], sleeper: Sleep
     env = {k: v.replace("\x00", "") for k, v in env.items()}
     before = snapshot(root)
     result = run_installed([str(installed["cudahook-criu-action"])], env, b"", root)
+    tally("criu action (installed)", result)
     check(result, repr(case)[:3000])
     assert snapshot(root) == before, case
     shutil.rmtree(root)
+
+
+# -- the harness's own guard ----------------------------------------------------------------------
+
+
+def test_signal_guard_catches_a_pidfd_kill_of_a_wrong_process(worker: Worker) -> None:
+    """cudahook kills through a pidfd (containers.kill_same): the guard sees
+    that path too, reports it, and the process lives; offered as the
+    container's, the same call kills it."""
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        case = {"hook": "kill_same", "pid": victim.pid, "argv": [], "env": SCRUBBED, "cwd": "/",
+                "stdin": ""}
+        result = worker.call({**case, "killable": []})
+        assert result["refused"] == [f"pidfd_send_signal(pid {victim.pid}, 9)"], result
+        time.sleep(0.1)
+        assert victim.poll() is None
+        result = worker.call({**case, "killable": [victim.pid]})
+        assert result["rc"] == 1 and not result["refused"], result
+        assert victim.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        victim.kill()
+        victim.wait()
