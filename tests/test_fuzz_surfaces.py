@@ -518,15 +518,13 @@ def test_fuzz_migrate_restore(worker: Worker, base: Path, tools: dict[str, Path]
     shutil.rmtree(root)
 
 
-# A known bug: the bomb, then the archive in a second gzip member, makes
-# archive.Stream spin until --timeout. Strict: the fix makes this fail until the mark goes.
+# The bomb, then the archive in a second gzip member: read in bounded time
+# (an ended gzip member once made archive.Stream spin until --timeout).
 BOMB_THEN_MEMBER = {"members": base_members(), "format": tarfile.GNU_FORMAT, "ending": "zeros",
                     "compress": "bomb-then-member", "cut": None, "sha256": "good", "sig": "none",
                     "trust": None, "archive_kind": "file", "flags": [], "name": None}
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a 16 MiB gzip member then a second one spins "
-                   "archive.Stream._inflate until --timeout")
 def test_archive_bounded__a_bomb_then_a_second_gzip_member_in_bounded_time(
         worker: Worker, base: Path, tools: dict[str, Path], keys: dict[str, Path]) -> None:
     test_fuzz_migrate_restore.hypothesis.inner_test(  # type: ignore[attr-defined]
@@ -777,15 +775,6 @@ def effective_criu_config(root: Path, bundle: Path) -> tuple[str | None, str]:
     return path, text
 
 
-def without_known_bug(lines: list[str]) -> list[str]:
-    """The wrapper's warnings but the second of a known bug's pair (see
-    test_never_break_plain_container__one_warning_for_a_refused_id): a refused
-    container id after a refused CRIU file warns twice."""
-    if len(lines) == 2 and "is not a file in" in lines[0] and "invalid container id" in lines[1]:
-        return lines[:1]
-    return lines
-
-
 def check_wrapper(root: Path, bundle: Path, args: list[str], runc: str,
                   result: dict[str, Any], before_config: Any, what: str) -> None:
     assert not result.get("hang"), f"no answer within {HANG_S}s: {what}"
@@ -794,7 +783,7 @@ def check_wrapper(root: Path, bundle: Path, args: list[str], runc: str,
     assert result["exec"] == [runc, *args], (result, what)
     err = result["stderr"]
     assert not unsafe_chars(err + result["stdout"]), (err, what)
-    assert len(without_known_bug(err.splitlines())) <= 1, (err, what)
+    assert len(err.splitlines()) <= 1, (err, what)
     assert result["seconds"] < SLOW_S, (result["seconds"], what)
     assert not result.get("refused"), (result["refused"], what)
     log = root / "runc.log"
@@ -803,7 +792,7 @@ def check_wrapper(root: Path, bundle: Path, args: list[str], runc: str,
         assert not unsafe_chars(text), (text, what)
         # One warning at most (the info line that the hooks went in may follow).
         warnings = [x for x in text.splitlines() if "warning" in x or "error" in x]
-        assert len(without_known_bug(warnings)) <= 1, (text, what)
+        assert len(warnings) <= 1, (text, what)
     after = snapshot_config(bundle)
     if after != before_config:  # the wrapper wrote config.json
         # operator_only_criu_config: what runc hands CRIU is the operator's file or
@@ -851,15 +840,13 @@ def test_fuzz_runtime_wrapper(worker: Worker, base: Path, tools: dict[str, Path]
     shutil.rmtree(root)
 
 
-# A known bug: a GPU container whose id the wrapper refuses, naming its own
-# CRIU file, gets two warning lines. Strict: the fix makes this fail until the mark goes.
+# A GPU container whose id the wrapper refuses, naming its own CRIU file:
+# one warning line, not one for each (the id is checked before the file).
 TWO_WARNINGS = {"config": ("file", json.dumps(SPEC).encode()), "gpu": "env",
                 "criu_notes": {"org.criu.config": "EVIL"}, "runc_conf": "absent",
                 "command": "create", "cid": "a\rb", "log": "none", "bundle_flag": "--bundle"}
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a refused container id and the container's "
-                   "own org.criu.config give two warning lines")
 def test_never_break_plain_container__one_warning_for_a_refused_id(
         worker: Worker, base: Path, tools: dict[str, Path]) -> None:
     root = new_root(base)
@@ -905,7 +892,7 @@ def test_fuzz_installed_runtime_wrapper(installed: dict[str, Path], base: Path,
         calls = [json.loads(x) for x in (root / "runc-calls").read_text().splitlines()]
         assert calls == [args], (calls, what)
         err = result["stderr"]
-        assert len(without_known_bug(err.splitlines())) <= 1, (err, what)
+        assert len(err.splitlines()) <= 1, (err, what)
         assert not unsafe_chars(err), (err, what)
         assert snapshot(root, allowed=allowed) == before, what
     shutil.rmtree(root)

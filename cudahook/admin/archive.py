@@ -184,10 +184,13 @@ class Stream:
         try:
             while True:
                 gz = self.gz
-                if gz.unconsumed_tail:
-                    out = gz.decompress(gz.unconsumed_tail, CHUNK)
-                elif gz.eof:
-                    rest = gz.unused_data or self._read_raw()
+                # The end of a member first: an ended stream takes no more
+                # input (its decompress gives b"" for ever), so what follows
+                # it - the next member - must go to a fresh one.
+                if gz.eof:
+                    rest = gz.unused_data + gz.unconsumed_tail + self.pending
+                    self.pending = b""
+                    rest = rest or self._read_raw()
                     if not rest:
                         return b""
                     if rest[:2] != GZIP_MAGIC:
@@ -195,6 +198,8 @@ class Stream:
                     # Concatenated gzip members read as one stream (pigz, cat).
                     self.gz = zlib.decompressobj(16 + zlib.MAX_WBITS)
                     out = self.gz.decompress(rest, CHUNK)
+                elif gz.unconsumed_tail:
+                    out = gz.decompress(gz.unconsumed_tail, CHUNK)
                 else:
                     raw, self.pending = self.pending or self._read_raw(), b""
                     if not raw:
