@@ -330,10 +330,11 @@ def test_hook_dies_with_runtime__killed_hook_leaves_no_python(node: Node) -> Non
     """A runtime that kills the hook (its timeout) kills cudahook's Python
     with it: the hook is Python by then, not a shell waiting on a pipeline."""
     from cudahook.platform.marks import marks_dir
-    from cudahook.platform.store import Store, lock_file
+    from cudahook.platform.store import Store, container_key, lock_file
 
     b = node.bundle("b")
-    fd = lock_file(Store(node.state_dir).lock_path("c1"))  # the hook waits on it
+    # The hook waits on the record's lock, named by the container's key.
+    fd = lock_file(Store(node.state_dir).lock_path(container_key("c1", str(b))))
     init = subprocess.Popen(["sleep", "60"])
     node.sleepers.append(init)
     state = json.dumps({"ociVersion": "1.2.0", "id": "c1", "status": "creating",
