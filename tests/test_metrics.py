@@ -397,3 +397,19 @@ def test_untrusted_strings_bounded__an_oversized_result_costs_only_itself(tmp_pa
     with contextlib.suppress(CudahookError):  # store.TooLarge: this result is not kept
         store.remember("c1", "restore", {"ok": False, "error": "X" * (2 << 20)})
     assert store.history()["c1"]["checkpoint"] == {"ok": True, "time": 1.0}
+
+
+def test_own_directories_only__metrics_never_write_through_a_linked_state_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A state directory replaced by a symlink (to a directory someone else
+    may read) is refused before anything is made inside it: a failed
+    restore's metrics once created `metrics/` and the .prom file there."""
+    from cudahook.platform.config import Settings
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    state = tmp_path / "state"
+    state.symlink_to(elsewhere)
+    settings = Settings(state_dir=str(state), log_file=str(tmp_path / "log"))
+    assert metrics.update(settings, metrics.Changes("c1").inc("cudahook_restores_total",
+                                                              outcome="failed")) is False
+    assert list(elsewhere.iterdir()) == []

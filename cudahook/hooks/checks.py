@@ -708,11 +708,11 @@ def _cache_get(ctx: Context, key: str) -> Verdict | None:
 
 def _cache_put(ctx: Context, key: str, v: Verdict) -> None:
     from cudahook.platform.atomic import write_json_atomic
-    from cudahook.platform.privdir import ensure_private_dir
+    from cudahook.platform.privdir import private_subdir
 
     with contextlib.suppress(OSError, CudahookError):
         where = _cache_path(ctx, key)
-        ensure_private_dir(where.parent)
+        private_subdir(ctx.settings.state_dir, where.parent.name)
         write_json_atomic(where, v.to_dict())
         prune_cache(ctx)
 
@@ -737,12 +737,11 @@ def write_verdict(ctx: Context, image_dir: Path, v: Verdict) -> Path | None:
     refused restore leaves it byte for byte as it was). Never fatal: the
     verdict is a report, the refusal stands without it."""
     from cudahook.platform.atomic import write_json_atomic
-    from cudahook.platform.privdir import ensure_private_dir
+    from cudahook.platform.privdir import private_subdir
 
     try:
         digest = manifest.digest(image_dir)
-        d = Path(ctx.settings.state_dir) / "verdicts"
-        ensure_private_dir(d)
+        d = private_subdir(ctx.settings.state_dir, "verdicts")
         path = d / f"image-{digest[:32]}.json"
         write_json_atomic(path, {**v.to_dict(), "node": node_identity(ctx),
                                  "manifest_sha256": digest})

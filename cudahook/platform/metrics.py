@@ -65,7 +65,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 DEFAULT_NAME = "metrics/cudahook.prom"
-STATE_NAME = "metrics/state.json"
+STATE_DIR, STATE_FILE = "metrics", "state.json"
+STATE_NAME = f"{STATE_DIR}/{STATE_FILE}"
 # The lock waits this long at most: metrics must never hold a hook up.
 LOCK_WAIT_S = 2.0
 
@@ -136,11 +137,10 @@ def update(settings: Settings, changes: Changes, *, now: float | None = None) ->
 
 
 def _update(settings: Settings, target: Path, changes: Changes, now: float) -> bool:
-    from .privdir import ensure_private_dir
+    from .privdir import private_subdir
     from .store import TooLarge, lock_file, read_json, write_bounded
 
-    state_path = Path(settings.state_dir) / STATE_NAME
-    ensure_private_dir(state_path.parent)
+    state_path = private_subdir(settings.state_dir, STATE_DIR) / STATE_FILE
     fd = lock_file(state_path.with_suffix(".lock"), timeout_s=LOCK_WAIT_S)
     try:
         state = _valid(read_json(state_path))

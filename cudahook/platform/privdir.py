@@ -72,3 +72,9 @@ def ensure_private_dir(path: Path) -> Path:
     finally:
         os.close(fd)
     return path
+
+
+def private_subdir(root: str | os.PathLike[str], name: str) -> Path:
+    """`root`/`name` as a private directory, `root` verified first: inside a
+    state directory that is a symlink or someone else's, nothing is made."""
+    return ensure_private_dir(ensure_private_dir(Path(root)) / name)
