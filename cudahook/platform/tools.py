@@ -205,6 +205,10 @@ class _Spawner:
             done.set()
 
 
+#: How much of each process's environment calls_of reads.
+ENVIRON_CAP = 256 << 10
+
+
 def calls_of(name: str, proc: Path | None = None) -> list[tuple[int, int]]:
     """(pid, start time) of every live process that carries the calls' name."""
     from pathlib import Path
@@ -217,8 +221,11 @@ def calls_of(name: str, proc: Path | None = None) -> list[tuple[int, int]]:
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
-            if want not in (root / entry / "environ").read_bytes().split(b"\0"):
-                continue
+            with open(root / entry / "environ", "rb") as f:
+                # Capped: any process's environment may be megabytes (a
+                # container's too); the calls' own is the hook's, small.
+                if want not in f.read(ENVIRON_CAP).split(b"\0"):
+                    continue
             stat = (root / entry / "stat").read_text()
         except OSError:
             continue
