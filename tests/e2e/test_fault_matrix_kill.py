@@ -160,10 +160,23 @@ def phase_calls(env: Env) -> list[str]:
     return found
 
 
-def _in_flight(env: Env, call: str) -> bool:
-    """The slow call has been reached (its rule fired), or nvidia-smi runs."""
+def _smi_calls(env: Env) -> dict[int, int]:
+    """Every live nvidia-smi of the simulated node: pid -> parent pid."""
+    found = {}
+    for pid in _pids():
+        if str(env.lab.nvidia_smi).encode() in _read(pid, "cmdline"):
+            ppid = [x for x in _read(pid, "status").split(b"\n") if x.startswith(b"PPid:")]
+            found[pid] = int(ppid[0].split()[1]) if ppid else 0
+    return found
+
+
+def _in_flight(env: Env, call: str, phase: str) -> bool:
+    """The slow call has been reached (its rule fired), or an action script
+    of `phase` runs nvidia-smi (the hung one: every nvidia-smi from now on
+    hangs, so one some other process started is not the step's)."""
     if call == "nvidia-smi":
-        return any(str(env.lab.nvidia_smi).encode() in _read(p, "cmdline") for p in _pids())
+        hooks = set(_hooks(env, phase))
+        return any(parent in hooks for parent in _smi_calls(env).values())
     try:  # read while the simulator rewrites it: an empty file is no answer
         rules = json.loads((env.lab.root / "faults.json").read_text())
     except (OSError, ValueError):
@@ -186,9 +199,12 @@ def _kill_hook(env: Env, case: Case, worker: threading.Thread, done: dict[str, A
     SIGKILL the hook (or its group)."""
     call, _ = STEPS[(case.phase, case.step)]
     deadline = time.monotonic() + 60
-    while not _in_flight(env, call) or any(_sim_state(p) != "checkpointed" for p in others):
+    while not _in_flight(env, call, case.phase) or any(
+            _sim_state(p) != "checkpointed" for p in others):
         assert worker.is_alive(), done
-        assert time.monotonic() < deadline, "the slow call was never reached"
+        assert time.monotonic() < deadline, (
+            "the slow call was never reached", _smi_calls(env),
+            {p: _read(p, "cmdline")[:200] for p in _smi_calls(env).values()})
         time.sleep(0.02)
     # One action script runs the phase; CRIU may have started its duplicate
     # call by now: both are killed.
