@@ -242,7 +242,7 @@ class Soak:
                     cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
                 except OSError:
                     continue
-                if b"cudahook.hooks.guardian" in cmd and str(self.state_dir).encode() in cmd:
+                if b"cudahook.flow.guardian" in cmd and str(self.state_dir).encode() in cmd:
                     left.append(entry)
             if not left:
                 return

@@ -89,9 +89,10 @@ def main() -> int:
     signal.pidfd_send_signal = pidfd_send_signal  # type: ignore[assignment]
     os.execv = execv  # type: ignore[assignment]
     from cudahook.admin import cli
-    from cudahook.hooks import containers, runtime_wrapper
+    from cudahook.flow import containers
     from cudahook.hooks import criu_action as criuhook
     from cudahook.hooks import oci_hook as ocihook
+    from cudahook.hooks import runtime_wrapper
     from cudahook.platform.host import Host
 
     def run(case: dict[str, object]) -> int:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cudahook.hooks import annotations as ann
+from cudahook.flow import annotations as ann
 from cudahook.platform.config import Settings
 from cudahook.platform.errors import UsageError
 
@@ -120,7 +120,7 @@ def test_any_other_lock_timeout_text_is_refused_or_an_int(text: str) -> None:
 
 def test_the_backend_is_chosen_per_container() -> None:
     from cudahook.core.backends.cli import CudaCheckpointCLI
-    from cudahook.hooks.context import Context
+    from cudahook.flow.context import Context
 
     opts = ann.parse(a(backend="cli"))
     assert opts.backend == "cli"

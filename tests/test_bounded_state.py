@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from cudahook.flow import results
+from cudahook.flow.context import Context
 from cudahook.hooks import criu_action as criuhook
 from cudahook.hooks import oci_hook as ocihook
-from cudahook.hooks import results
-from cudahook.hooks.context import Context
 from cudahook.hooks.criu_env import CriuCall
 from cudahook.platform import config, paths, store
 

@@ -151,7 +151,7 @@ def test_checkpoint_and_restore_wait_for_a_live_guardian_of_the_container(
         node: Node, cmd: str) -> None:
     """A guardian still bringing the container back: the CLI waits for it
     (guardian_wait_s), then refuses with exit 5, having touched nothing."""
-    from cudahook.hooks import guardian
+    from cudahook.flow import guardian
     from cudahook.platform.host import Host
     from cudahook.platform.store import Store, write_json_atomic
 

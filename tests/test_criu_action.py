@@ -391,7 +391,7 @@ def test_pre_dump_waits_for_the_guardian_of_an_earlier_checkpoint(
     """A guardian still alive for the same container may be about to bring
     processes back: a new checkpoint waits for it (without the busy lock,
     which the guardian needs), and refuses after guardian_wait_s."""
-    from cudahook.hooks import guardian
+    from cudahook.flow import guardian
     from cudahook.platform.host import Host
     from cudahook.platform.store import Store, write_json_atomic
 

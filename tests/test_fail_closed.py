@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import time
 
-from cudahook.hooks import containers
-from cudahook.hooks.context import Context
+from cudahook.flow import containers
+from cudahook.flow.context import Context
 from cudahook.platform.host import Host
 
 from .conftest import Node

@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cudahook.admin import hookfiles
-from cudahook.hooks import annotations as ann
-from cudahook.hooks import oci_bundle, oci_state
+from cudahook.flow import annotations as ann
+from cudahook.flow import oci_bundle
+from cudahook.hooks import oci_state
 from cudahook.platform.errors import CudahookError
 
 LIB = hookfiles.templates_dir() / hookfiles.LIB

@@ -39,7 +39,8 @@ from hypothesis import strategies as st
 
 from cudahook.admin import hookfiles
 from cudahook.core import manifest
-from cudahook.hooks import oci_bundle, oci_state
+from cudahook.flow import oci_bundle
+from cudahook.hooks import oci_state
 from cudahook.hooks.criu_env import PID_MAX_LIMIT
 from cudahook.platform.host import Host
 from cudahook.vmm import coordinator as vmm

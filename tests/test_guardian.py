@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cudahook.core.discovery import discover
-from cudahook.hooks import guardian
+from cudahook.flow import guardian
 from cudahook.platform.host import Host
 
 from .conftest import Node
@@ -216,7 +216,7 @@ def test_the_action_scripts_calls_are_ended_before_any_state_is_read(node: Node)
     """A driver call of the pre-dump that armed the guardian, still running
     after the script died (here: about to lock b), is ended first - or it
     would lock the workload after the guardian judged it."""
-    from cudahook.hooks.criu_run import calls_name
+    from cudahook.flow.criu_run import calls_name
     from cudahook.platform.tools import CALLS_ENV
 
     procs, by_tag, engine = _three(node)

@@ -20,7 +20,8 @@ import pytest
 from cudahook.admin import hookfiles
 from cudahook.core import manifest
 from cudahook.core.manifest import ManifestError
-from cudahook.hooks import criu_env, oci_bundle, oci_state
+from cudahook.flow import oci_bundle
+from cudahook.hooks import criu_env, oci_state
 from cudahook.platform import marks, safeio
 from cudahook.platform.errors import StateError, UsageError, one_line
 from cudahook.platform.store import Store, container_key

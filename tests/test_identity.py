@@ -161,8 +161,8 @@ def test_the_action_script_finds_each_containers_own_record(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """CRIU names the init: each one's record, with the key its lock and
     guardian marker are named by."""
-    from cudahook.hooks.containers import container_for, lock_key
-    from cudahook.hooks.context import Context
+    from cudahook.flow.containers import container_for, lock_key
+    from cudahook.flow.context import Context
     from cudahook.platform import config
 
     ba = gpu_bundle(tmp_path / "a")

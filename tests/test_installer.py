@@ -17,7 +17,7 @@ import pytest
 
 from cudahook.admin import installer, journal, registrations
 from cudahook.admin.doctor import run_checks
-from cudahook.hooks.context import Context
+from cudahook.flow.context import Context
 from cudahook.platform import paths
 from cudahook.platform.config import Settings
 

@@ -1,7 +1,8 @@
 """The package layout is the architecture: imports flow one way.
 
-hooks -> vmm -> core -> platform; admin may use all of them; nothing of the
-product imports the simulator except the demo, which runs on it by definition.
+hooks -> flow -> vmm -> core -> platform; admin uses flow and below, never
+hooks; nothing of the product imports the simulator except the demo, which
+runs on it by definition.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ ALLOWED = {
     "platform": set(),
     "core": {"platform"},
     "vmm": {"core", "platform"},
-    "hooks": {"vmm", "core", "platform"},
-    "admin": {"hooks", "vmm", "core", "platform"},
-    "sim": {"admin", "hooks", "vmm", "core", "platform"},
+    "flow": {"vmm", "core", "platform"},
+    "hooks": {"flow", "vmm", "core", "platform"},
+    "admin": {"flow", "vmm", "core", "platform"},
+    "sim": {"admin", "hooks", "flow", "vmm", "core", "platform"},
 }
 # `cudahook demo` runs the simulator: the one way from the product into it.
 SIM_DOORS = {"cudahook.admin.cli"}

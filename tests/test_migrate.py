@@ -204,7 +204,7 @@ def test_a_gzip_stream_whose_data_changed_fails_its_crc(tmp_path: Path) -> None:
 
 
 def test_the_spec_names_the_new_gpus_everywhere_the_hook_looks() -> None:
-    from cudahook.hooks.gpu_request import visible_devices
+    from cudahook.flow.gpu_request import visible_devices
 
     spec = {"process": {"env": ["A=1", "NVIDIA_VISIBLE_DEVICES=GPU-a"]},
             "annotations": {"cudahook.io/device-map": "GPU-a=GPU-q",
@@ -720,7 +720,7 @@ def test_archive_authenticity__unsigned_restore_says_what_it_did_not_verify(
 def test_exit_codes_one_table__gate_refusals_exit_as_check_says() -> None:
     """Every reason the restore gate can give: `migrate restore` exits with
     the code `cudahook check --image` gives for it (the hooks keep theirs)."""
-    from cudahook.hooks.checks import Verdict
+    from cudahook.flow.checks import Verdict
     from cudahook.platform.errors import CudahookError, EnvironmentProblem
     from cudahook.platform.reasons import REASONS
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from cudahook.core.gpus import Gpu
-from cudahook.hooks import gpu_request, oci_bundle, oci_state
+from cudahook.flow import gpu_request, oci_bundle
+from cudahook.hooks import oci_state
 from cudahook.platform.errors import UsageError
 
 U0 = "GPU-11111111-2222-3333-4444-555555555555"

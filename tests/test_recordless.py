@@ -138,7 +138,7 @@ def test_pre_dump_waits_for_the_guardian_of_a_recordless_container(
 def test_admin_checkpoint_waits_for_the_guardian_of_a_recordless_container(node: Node) -> None:
     """`cudahook checkpoint --init-pid` of a container without a record waits
     for a live guardian of it (by its init), then refuses, touching nothing."""
-    from cudahook.hooks import guardian
+    from cudahook.flow import guardian
     from cudahook.platform.host import Host
     from cudahook.platform.store import init_key, write_json_atomic
 

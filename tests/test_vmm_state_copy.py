@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from cudahook.hooks import guardian
+from cudahook.flow import guardian
+from cudahook.flow.criu_run import CriuRun
 from cudahook.hooks.criu_action import keep_vmm_state
 from cudahook.hooks.criu_env import CriuCall
-from cudahook.hooks.criu_run import CriuRun
 from cudahook.platform.errors import CudahookError
 from cudahook.platform.host import Host
 from cudahook.platform.store import Store

@@ -151,7 +151,7 @@ def test_a_containers_own_criu_config_is_kept_and_global_needs_no_copy(
     add_hooks(str(g), "/opt/h/cudahook-oci-hook", "c-3")
     assert json.loads((g / "config.json").read_text())["annotations"] == {}
     # The annotation the wrapper adds is one cudahook accepts at createRuntime.
-    from cudahook.hooks.annotations import parse
+    from cudahook.flow.annotations import parse
 
     parse({"cudahook.io/criu-config": str(own)})
 

@@ -1,6 +1,6 @@
 """`cudahook check`: would a checkpoint, or a restore, succeed now?
 
-The checks themselves are the hooks' (hooks/checks.py): pre-dump and
+The checks themselves are the hooks' (flow/checks.py): pre-dump and
 post-restore refuse on exactly what this command reports. This module only
 finds the target, calls them, and shows the verdict. It never changes a
 workload: process states are read, nothing is locked or thawed.
@@ -12,9 +12,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from cudahook.hooks import annotations as ann
-from cudahook.hooks import checks
-from cudahook.hooks.context import Context
+from cudahook.flow import annotations as ann
+from cudahook.flow import checks
+from cudahook.flow.context import Context
 from cudahook.platform.errors import UsageError
 
 
@@ -57,7 +57,7 @@ def run(ctx: Context, args: argparse.Namespace) -> checks.Verdict:
             if not ctx.host.exists(pid):
                 raise UsageError(f"no process {pid}")
         return checks.checkpoint_checks(ctx, pids=list(args.pid), image_dir=image_dir)
-    from cudahook.hooks.containers import container_for
+    from cudahook.flow.containers import container_for
 
     cid = args.container
     if cid is not None:
@@ -93,7 +93,7 @@ def _restore(ctx: Context, args: argparse.Namespace) -> checks.Verdict:
     record: dict[str, Any] | None = None
     opts = ann.Options()
     if args.bundle:
-        from cudahook.hooks import oci_bundle
+        from cudahook.flow import oci_bundle
 
         info = oci_bundle.read_bundle(args.bundle)
         record = {"visible": info.visible}

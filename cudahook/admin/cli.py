@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         return Exit.OK
 
     if args.cmd in ("status", "doctor", "check"):
-        from cudahook.hooks.context import Context
+        from cudahook.flow.context import Context
 
         ctx = Context(settings, host)
         if args.cmd == "check":
@@ -352,8 +352,8 @@ def run(args: argparse.Namespace) -> int:
     # A pre-dump or a guardian moving the same container's processes: wait
     # for it (bounded), as they wait for each other, or refuse. Discovery
     # probes too, so it runs inside.
-    from cudahook.hooks import guardian
-    from cudahook.hooks.context import Context
+    from cudahook.flow import guardian
+    from cudahook.flow.context import Context
 
     cid = _container_of(settings, host, args)
     with guardian.exclusive(Context(settings, host), cid, BUSY_WAIT_S, args.cmd):
@@ -379,8 +379,8 @@ def _container_of(settings: Any, host: Any, args: argparse.Namespace) -> str | N
     records = [r for r in Store(settings.state_dir).records()
                if isinstance(r.get("id"), str) and type(r.get("pid")) is int]
     if args.init_pid:
-        from cudahook.hooks.containers import lock_key
-        from cudahook.hooks.context import Context
+        from cudahook.flow.containers import lock_key
+        from cudahook.flow.context import Context
 
         # Without a record, the init itself: what a pre-dump of it serialises on.
         record = next((r for r in records if r["pid"] == args.init_pid), None)
@@ -402,7 +402,7 @@ def _container_of(settings: Any, host: Any, args: argparse.Namespace) -> str | N
 
 
 def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
-    from cudahook.hooks.context import Context
+    from cudahook.flow.context import Context
 
     from . import migrate
 

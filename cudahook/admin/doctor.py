@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from cudahook.admin import registrations
-from cudahook.hooks.checks import MIN_CRIU
-from cudahook.hooks.context import Context
+from cudahook.flow.checks import MIN_CRIU
+from cudahook.flow.context import Context
+from cudahook.platform import criu as criu_node
 from cudahook.platform import paths
 
 from .journal import Journal
-
-CRIU_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu",
-                    "/usr/lib/x86_64-linux-gnu/criu")
 
 
 @dataclass
@@ -75,7 +73,7 @@ def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
                                 f"CRIU {'.'.join(map(str, version))} runs every action script "
                                 "twice (CRIU issue #2727)",
                                 "nothing to do: cudahook runs each action once per CRIU run"))
-    plugins = [str(p) for d in CRIU_PLUGIN_DIRS for p in Path(root, d.lstrip("/")).glob("cuda_plugin.so")]
+    plugins = criu_node.cuda_plugins(root=root)
     if plugins:
         checks.append(Check("criu cuda plugin", "fail", f"CRIU's own CUDA plugin is installed: "
                             f"{', '.join(plugins)}",

@@ -281,8 +281,8 @@ def plan(ctx: Any, data: dict[str, Any], wanted: Sequence[str] | None
     """This node's GPUs for the checkpoint and the device map the restore
     gate computes for them (or its refusal)."""
     from cudahook.core.gpus import query_gpus
-    from cudahook.hooks import annotations as ann
-    from cudahook.hooks.restore_gate import plan_restore
+    from cudahook.flow import annotations as ann
+    from cudahook.flow.restore_gate import plan_restore
 
     source = [str(u) for u in data.get("gpus") or []]
     try:

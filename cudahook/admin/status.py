@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cudahook.hooks.context import Context
+from cudahook.flow.context import Context
 
 from .chart import render as chart
 

@@ -28,6 +28,19 @@ from pathlib import Path
 
 from cudahook.core import manifest
 from cudahook.core.discovery import describe_holders, device_files
+from cudahook.flow import criu_run as criu_run_steps
+from cudahook.flow import guardian, results
+from cudahook.flow.containers import (
+    container_for,
+    gpus_and_models,
+    kill_container,
+    lock_key,
+    restored_pids,
+    visible_gpus,
+)
+from cudahook.flow.context import Context
+from cudahook.flow.criu_run import HANDLED, CriuRun
+from cudahook.flow.restore_gate import plan_restore
 from cudahook.platform.errors import (
     CudahookError,
     EnvironmentProblem,
@@ -39,20 +52,7 @@ from cudahook.platform.errors import (
 from cudahook.platform.marks import mark, prune_restore_marks
 from cudahook.vmm import coordinator as vmm
 
-from . import criu_run as criu_run_steps
-from . import guardian, results
-from .containers import (
-    container_for,
-    gpus_and_models,
-    kill_container,
-    lock_key,
-    restored_pids,
-    visible_gpus,
-)
-from .context import Context
 from .criu_env import CriuCall
-from .criu_run import HANDLED, CriuRun
-from .restore_gate import plan_restore
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -212,11 +212,11 @@ def _checkpoint(ctx: Context, call: CriuCall, criu_run: CriuRun, init_pid: int,
     #    would be restored without its GPU state), failed; too little host
     #    memory; persistence off. A task traced while it runs and the image
     #    size are left to CRIU, which fails cleanly on them (the guardian
-    #    then resumes the workload). The same checks (hooks/checks.py),
+    #    then resumes the workload). The same checks (flow/checks.py),
     #    refused with their reason code before anything is locked. Hazard: a
     #    probe that times out is not "not CUDA" - it refuses too, or a
     #    process would be dumped with live GPU state. Nothing touched: no undo.
-    from . import checks  # the reason table: only pre-dump and post-restore need it
+    from cudahook.flow import checks  # the reason table: only pre-dump and post-restore need it
 
     verdict = checks.checkpoint_checks(ctx, init_pid=init_pid, full=False,
                                        image_dir=call.image_dir, container=cid)
@@ -479,13 +479,13 @@ def post_restore(ctx: Context, call: CriuCall, criu_run: CriuRun) -> int:
         criu_run.note("watcher", [watcher, _start_time(ctx, watcher)])
     except Exception as exc:
         raise EnvironmentProblem(f"post-restore: cannot arm the restore watcher: {exc}") from exc
-    # 3. The restore checks of `cudahook check --image` (hooks/checks.py): the
+    # 3. The restore checks of `cudahook check --image` (flow/checks.py): the
     #    image intact, CRIU's own CUDA plugin absent (it would restore these
     #    processes without a device map), the same driver branch, the GPUs
     #    present, a device map this driver can apply, the VMM coordinator.
     #    A refusal here is clean; one that no retry here can change is
     #    remembered, and the next attempt refused at once.
-    from . import checks
+    from cudahook.flow import checks
 
     record, ctx, opts = container_for(ctx, init_pid)
     verdict = checks.restore_checks(ctx, call.image_dir, record, opts)

@@ -62,23 +62,3 @@ def from_env(env: Mapping[str, str] | None = None, criu_pid: int | None = None) 
         criu_pid=os.getppid() if criu_pid is None else criu_pid,
     )
 
-
-# Where CRIU looks for plugins (its --libdir default and distributions' builds);
-# CRIU_LIBS_DIR, when CRIU runs with it, comes first.
-CRIU_PLUGIN_DIRS = ("/usr/lib/criu", "/usr/local/lib/criu", "/usr/lib64/criu",
-                    "/usr/lib/x86_64-linux-gnu/criu")
-CUDA_PLUGIN = "cuda_plugin.so"
-
-
-def cuda_plugins(env: Mapping[str, str] | None = None) -> list[str]:
-    """CRIU's own CUDA plugin files that this CRIU run may load.
-
-    Node paths move with CUDAHOOK_ROOT, so tests stand a plugin directory in.
-    """
-    from cudahook.platform import paths
-
-    env = os.environ if env is None else env
-    dirs = [paths.at(d) for d in CRIU_PLUGIN_DIRS]
-    if env.get("CRIU_LIBS_DIR"):
-        dirs.insert(0, Path(env["CRIU_LIBS_DIR"]))
-    return [str(d / CUDA_PLUGIN) for d in dirs if (d / CUDA_PLUGIN).exists()]

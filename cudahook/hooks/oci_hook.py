@@ -13,11 +13,12 @@ import contextlib
 import sys
 import time
 
+from cudahook.flow import annotations as ann
+from cudahook.flow import oci_bundle
 from cudahook.platform.errors import CudahookError, Exit, StateError, UsageError, one_line, report
 from cudahook.platform.marks import mark, unmark_container
 
-from . import annotations as ann
-from . import oci_bundle, oci_state
+from . import oci_state
 from .criu_env import PID_MAX_LIMIT
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -95,10 +96,9 @@ def on_create(stage: str, state: dict) -> int:  # type: ignore[type-arg]
         ann.parse({ann.PREFIX + k: v for k, v in raw.items()})
     # Only what cudahook uses is checked: a detail of the runtime-spec
     # schema it does not use must not stop a container.
+    from cudahook.flow.context import Context
     from cudahook.platform import config
     from cudahook.platform.store import check_id, container_key
-
-    from .context import Context
 
     cid = check_id(state["id"])
     key = container_key(cid, state["bundle"])

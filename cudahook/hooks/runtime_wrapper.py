@@ -78,9 +78,9 @@ def add_hooks(bundle: str, hook: str, cid: str | None = None,
     `cid`, its own CRIU configuration where the site's does not name the
     action script; True if config.json changed. `warn` hears each thing
     the wrapper set aside (an annotation it would not trust, a line dropped)."""
-    from .annotations import PREFIX
-    from .gpu_request import visible_devices
-    from .oci_bundle import read_config
+    from cudahook.flow.annotations import PREFIX
+    from cudahook.flow.gpu_request import visible_devices
+    from cudahook.flow.oci_bundle import read_config
 
     path = os.path.join(bundle, "config.json")
     cfg = read_config(bundle)

@@ -255,10 +255,10 @@ def _criu_plugin(v: Verdict) -> None:
     the dump with it; its restore has no device map, no rollback, no VMM
     step, and runs before post-resume. Two owners of one process's CUDA
     state is never safe."""
-    from . import criu_env
+    from cudahook.platform import criu
 
     v.checked.append("criu cuda plugin")
-    plugins = criu_env.cuda_plugins()
+    plugins = criu.cuda_plugins()
     if plugins:
         verb = "restore" if v.side == "restore" else "checkpoint"
         v.add("CRIU_CUDA_PLUGIN", f"CRIU's own CUDA plugin is installed ({', '.join(plugins)}) "

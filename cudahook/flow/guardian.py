@@ -102,7 +102,7 @@ def _detached(entry: str, args: dict[str, Any]) -> Any:
     from cudahook.platform.tools import calls_env
 
     return subprocess.Popen(
-        [sys.executable, "-I", "-c", f"import sys; from cudahook.hooks.guardian import {entry}; "
+        [sys.executable, "-I", "-c", f"import sys; from cudahook.flow.guardian import {entry}; "
          f"sys.exit({entry}(sys.argv[1]))", json.dumps(args)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True, env=calls_env(),
