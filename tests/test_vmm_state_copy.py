@@ -13,19 +13,22 @@ import pytest
 
 from cudahook.flow import guardian
 from cudahook.flow.criu_run import CriuRun
-from cudahook.hooks.criu_action import keep_vmm_state
-from cudahook.hooks.criu_env import CriuCall
+from cudahook.flow.vmm_steps import keep_for_guardian
 from cudahook.platform.errors import CudahookError
 from cudahook.platform.host import Host
 from cudahook.platform.store import Store
 from cudahook.vmm.coordinator import STATE_FILE
 
 
-def _setup(tmp_path: Path) -> tuple[CriuCall, CriuRun, Path]:
+def _setup(tmp_path: Path) -> tuple[Path, CriuRun, Path]:
     image = tmp_path / "image"
     image.mkdir()
     run = CriuRun(Store(tmp_path / "state"), Host(), os.getpid())
-    return CriuCall("pre-dump", image, os.getpid(), os.getpid()), run, image
+    return image, run, image
+
+
+def keep_vmm_state(image: Path, run: CriuRun) -> None:
+    keep_for_guardian(image, guardian.vmm_dir(run.path))
 
 
 def _left(run: CriuRun) -> list[str]:

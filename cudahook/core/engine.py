@@ -71,6 +71,14 @@ class PhaseResult(Record):
     def ok(self) -> bool:
         return not self.errors
 
+    def brought_back(self) -> set[int]:
+        """The processes this phase put back on their GPU: a restore's, or a
+        failed checkpoint's rollback. A checkpoint drops a process's VMM
+        mappings; these are the ones that run again without them."""
+        steps = ("restore", "toggle") if self.phase == "restore" else (
+            "rollback-restore", "rollback-toggle")
+        return {s.pid for s in self.timeline.steps if s.ok and s.step in steps}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "phase": self.phase,

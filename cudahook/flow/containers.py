@@ -143,3 +143,42 @@ def kill_same(host: Any, pid: int, start: int) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def need_init(ctx: Context, action: str, init_pid: int | None) -> int:
+    """CRTOOLS_INIT_PID as a container's init, or UsageError: unset, gone,
+    or a kernel thread names nothing CRIU dumps or restores."""
+    from cudahook.platform.errors import UsageError
+
+    if init_pid is None:
+        raise UsageError(f"{action}: CRTOOLS_INIT_PID is not set")
+    try:
+        parent = ctx.host.ppid(init_pid)
+    except Exception:
+        raise UsageError(f"{action}: CRTOOLS_INIT_PID {init_pid}: no such process") from None
+    if parent in (0, 2):  # the kernel's own threads: nothing CRIU restores or dumps
+        raise UsageError(f"{action}: CRTOOLS_INIT_PID {init_pid} is a kernel thread, "
+                         "not a container's init")
+    return init_pid
+
+
+def start_time(ctx: Context, pid: int) -> int | None:
+    try:
+        return ctx.host.start_time(pid)
+    except Exception:
+        return None
+
+
+def model_label(data: dict[str, Any] | None, gpus: list[str] | None = None) -> str | None:
+    """The GPU model label of the metrics: the first GPU's, from
+    {uuid: name} or a manifest's gpu_models."""
+    if data is None:
+        return None
+    models = data.get("gpu_models") if "gpu_models" in data else data
+    uuids = gpus if gpus is not None else list(data.get("gpus") or [])
+    for u in uuids:
+        m = (models or {}).get(u) if isinstance(models, dict) else None
+        name = m.get("name") if isinstance(m, dict) else m
+        if isinstance(name, str) and name:
+            return name
+    return None

@@ -252,17 +252,11 @@ def _vmm_restore(ctx: Any, cid: str | None, keep: dict[str, Any], result: Any) -
     """Replay the VMM state --prepare saved into the processes the checkpoint
     dropped it from (those this restore brought back), then unlock if the
     settings want the replay first."""
-    from pathlib import Path
+    from . import vmm_steps
 
-    from cudahook.vmm import coordinator as vmm
-
-    back = {s.pid for s in result.timeline.steps if s.ok and s.step in ("restore", "toggle")}
+    back = result.brought_back()
     pairs = [(pid, int(keep["nspids"][str(pid)])) for pid in result.pids if pid in back]
-    if pairs:
-        output = vmm.run_coordinator(ctx.host, ctx.settings.tool("vmm_coordinator"), "restore",
-                                     "", Path(keep["dir"]), pairs, ctx.settings.vmm_timeout_s)
-        ctx.log("vmm-restore", container=cid, pids=[p for p, _ in pairs], output=output,
-                reason="guardian")
+    vmm_steps.replay(ctx, cid, keep["dir"], pairs, "guardian")
     if ctx.settings.vmm_restore_before_unlock:
         ctx.engine.unlock(result.pids)
 
@@ -355,8 +349,8 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
     how, step, handed_over = _how(args)
     # CRIU's own dump time, as seen from here: pre-dump's end to CRIU's exit.
     if isinstance(handed_over, (int, float)):
-        results.count(ctx, cid or "", "criu-dump",
-                      {"criu_dump_s": max(0.0, time.time() - handed_over)})
+        results.count(ctx, cid or "",
+                      {"criu-dump": {"criu_dump_s": max(0.0, time.time() - handed_over)}})
     keep = args.get("vmm")
     if keep and not os.path.isdir(keep["dir"]):
         keep = None  # prepare never ran (or no VMM step): nothing to replay

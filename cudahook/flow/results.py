@@ -18,26 +18,41 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-def remember(ctx: Context, cid: str | None, kind: str, **result: Any) -> None:
+def remember(ctx: Context, cid: str | None, kind: str, *,
+             check: dict[str, Any] | None = None, **result: Any) -> None:
     """Keep the last `kind` result of the container and count it. A
     container the OCI hook never saw has no id: its outcomes are counted
-    under container="" (one series, not one per init PID)."""
-    result = {"time": time.time(), **result}
+    under container="" (one series, not one per init PID). `check`: the
+    verdict a refusal stands on (Verdict.summary()), kept and counted with
+    it in one metrics update."""
+    outcomes = {"check": check} if check is not None else {}
+    outcomes[kind] = {"time": time.time(), **result}
     if cid:
         with contextlib.suppress(OSError, CudahookError):
-            ctx.store.remember(cid, kind, result)
-    count(ctx, cid or "", kind, result)
+            for k, r in outcomes.items():
+                ctx.store.remember(cid, k, r)
+    count(ctx, cid or "", outcomes)
 
 
-def count(ctx: Context, cid: str, kind: str, result: dict[str, Any]) -> None:
+def count(ctx: Context, cid: str, outcomes: dict[str, dict[str, Any]]) -> None:
+    """One metrics update for the outcomes ({kind: result})."""
     from cudahook.platform import metrics
 
-    try:
-        changes = _changes(cid, kind, result)
-    except Exception:  # a result of an unexpected shape is not worth a failure
-        return
-    if changes is not None:
-        metrics.update(ctx.settings, changes)
+    total = None
+    for kind, result in outcomes.items():
+        try:
+            changes = _changes(cid, kind, result)
+        except Exception:  # a result of an unexpected shape is not worth a failure
+            continue
+        if changes is None:
+            continue
+        if total is None:
+            total = changes
+        else:
+            total.ops = (total.ops + changes.ops)[:metrics.MAX_OPS]
+            total.gpu_model = total.gpu_model or changes.gpu_model
+    if total is not None:
+        metrics.update(ctx.settings, total)
 
 
 def _changes(cid: str, kind: str, r: dict[str, Any]) -> Any:

@@ -1,0 +1,359 @@
+"""The checkpoint, told in order: what pre-dump does while the tasks still run.
+
+    pre_dump         refuse a second start; thaw a paused container
+    _checkpoint      which container; opted out?
+      _check         discovery and every check: refuse before anything is touched
+      _arm           the guardian, for a script killed from here on
+      _prepare       the VMM interposer's prepare; undo: replay its state
+      _lock_all      lock all, checkpoint all; undo: restore all
+      _no_nvml_left  NVML handles CRIU cannot dump
+      _record        the manifest; undo: remove it
+      _hand_over     CRIU dumps the processes, now without GPU state
+
+Every step that changes something pushes its undo on one stack (undo.py);
+any failure unwinds it, last step first. The engine's own rollback of a
+partly locked set is the lock step's; what the stack adds is every undo
+after it. Once the manifest is written the stack commits: from then on a
+failed dump is the guardian's to mend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cudahook.core import manifest
+from cudahook.core.discovery import describe_holders, device_files
+from cudahook.platform.errors import (
+    CudahookError,
+    EnvironmentProblem,
+    Exit,
+    PhaseError,
+    UsageError,
+)
+
+from . import criu_run as steps
+from . import guardian, results, vmm_steps
+from .containers import container_for, gpus_and_models, lock_key, need_init, start_time, visible_gpus
+from .context import Context
+from .criu_run import CriuRun
+from .undo import Undo
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from cudahook.core.discovery import CudaProcess
+
+# How long a checkpoint waits for a `cudahook status` probe of the same container.
+BUSY_WAIT_S = 30.0
+
+
+@dataclass
+class Checkpoint:
+    """What the steps of one pre-dump learn and hand on."""
+    ctx: Context
+    image_dir: Path | None
+    criu_pid: int
+    run: CriuRun
+    init_pid: int
+    undo: Undo
+    record: dict[str, Any] | None = None
+    opts: Any = None
+    verdict: Any = None
+    procs: list[CudaProcess] = field(default_factory=list)
+    with_vmm: bool = False
+    # The processes that run again after the checkpoint dropped their VMM
+    # mappings: whoever brings them back says which (see _prepare).
+    back: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def cid(self) -> str | None:
+        return (self.record or {}).get("id")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+def pre_dump(ctx: Context, image_dir: Path | None, init_pid: int | None, criu_pid: int,
+             run: CriuRun) -> int:
+    # Hazard: CRIU 3.19-4.1.1 run this script twice per dump, and run the
+    # second call even when the first failed - or was killed mid-way, with
+    # no outcome recorded. The dump fails on the first call's exit status
+    # whatever this one does; its guardian, if it was armed, brings the
+    # workload back once CRIU is gone. Undo: none - this call touches nothing.
+    if run.get("step"):
+        raise CudahookError(
+            f"pre-dump: an earlier call in this CRIU run stopped without finishing "
+            f"(last step: {run['step']}; killed?): this dump fails, and its guardian "
+            "brings back what it had touched; nothing was touched by this call")
+    run.step(steps.STARTED)
+    pid = need_init(ctx, "pre-dump", init_pid)
+    with Undo() as undo:
+        cp = Checkpoint(ctx, image_dir, criu_pid, run, pid, undo)
+        _thaw(cp)
+        # Which container, with which options. Hazard: `cudahook status`
+        # calling cuda-checkpoint on processes being locked or checkpointed;
+        # undo: none needed - the container's busy lock keeps it out.
+        cp.record, cp.ctx, cp.opts = container_for(ctx, pid)
+        with guardian.exclusive(cp.ctx, lock_key(cp.ctx, cp.record, pid), BUSY_WAIT_S,
+                                "pre-dump"):
+            return _checkpoint(cp)
+
+
+def _thaw(cp: Checkpoint) -> None:
+    """Hazard: containerd and docker pause the container before `runc
+    checkpoint`. A frozen process's CUDA restore thread cannot run, and
+    cuda-checkpoint then hangs. Thaw for the CUDA phase; undo: freeze it
+    again before CRIU takes over, whatever happened."""
+    host = cp.ctx.host
+    try:
+        if not host.is_frozen(cp.init_pid):
+            return
+        host.set_frozen(cp.init_pid, False)
+    except (OSError, TimeoutError) as exc:
+        raise EnvironmentProblem(f"pre-dump: cannot thaw the paused container: {exc}") from exc
+    cp.undo.always("cannot freeze the container again", lambda: host.set_frozen(cp.init_pid, True))
+
+
+def _checkpoint(cp: Checkpoint) -> int:
+    if cp.opts.enabled is False:  # an annotation opted the container out
+        cp.ctx.log("pre-dump", container=cp.cid, skipped="disabled by annotation")
+        return Exit.OK
+    refused = _check(cp)
+    if refused is not None:
+        return refused
+    if not cp.procs:
+        cp.ctx.log("pre-dump", container=cp.cid, init_pid=cp.init_pid, cuda_processes=0)
+        return Exit.OK
+    if cp.image_dir is None:
+        raise UsageError("pre-dump: CRTOOLS_IMAGE_DIR is not set")
+    _arm(cp)
+    gpus, models, vmm_prepare_s = _prepare(cp)
+    result = _lock_all(cp)
+    if isinstance(result, int):
+        return result
+    failed = _no_nvml_left(cp)
+    if failed is not None:
+        return failed
+    _record(cp, gpus, models, result)
+    _hand_over(cp, gpus, models, result, vmm_prepare_s)
+    return Exit.OK
+
+
+def _check(cp: Checkpoint) -> int | None:
+    """Discover the container's CUDA processes and check everything `cudahook
+    check` knows would make this checkpoint fail: NVIDIA device files CRIU
+    cannot dump (an NVML monitor), CRIU's own CUDA plugin acting on the
+    same processes, a process stopped (cuda-checkpoint would hang on it),
+    not running (one already locked or checkpointed was not put there by
+    this checkpoint: dumped, it would be restored without its GPU state),
+    failed; too little host memory; persistence off. A task traced while it
+    runs and the image size are left to CRIU, which fails cleanly on them
+    (the guardian then resumes the workload). Hazard: a probe that times
+    out is not "not CUDA" - it refuses too, or a process would be dumped
+    with live GPU state. Nothing touched: no undo. The exit code of a
+    refusal, or None."""
+    from . import checks  # the reason table: only pre-dump and post-restore need it
+
+    ctx, cid = cp.ctx, cp.cid
+    cp.verdict = verdict = checks.checkpoint_checks(
+        ctx, init_pid=cp.init_pid, full=False, image_dir=cp.image_dir, container=cid)
+    for w in verdict.warnings:
+        ctx.log("pre-dump", container=cid, warning=w)
+    found = verdict.found
+    if verdict.ok and found is not None:
+        cp.procs = found.processes
+        return None
+    message = verdict.message() + "; nothing was locked"
+    reasons = [p.code for p in verdict.problems]
+    ctx.log("pre-dump", container=cid, init_pid=cp.init_pid, error=message,
+            cuda_processes=len(found.processes) if found else 0, reasons=reasons)
+    results.remember(ctx, cid, "checkpoint", check=verdict.summary(), ok=False, error=message,
+                     reasons=reasons)
+    return verdict.hook_exit
+
+
+def _arm(cp: Checkpoint) -> None:
+    """The guardian, armed before anything is touched. Hazard: this script
+    can die at any point from here on (a runtime's or kubelet's timeout
+    SIGKILLs it, the OOM killer), leaving processes locked or checkpointed
+    with nobody to bring them back: CRIU then aborts the dump, and the
+    guardian, once CRIU and this script are both gone, restores whichever
+    it finds locked or checkpointed. Start times are taken first: it tells
+    our processes from a later one that reused a PID. If it cannot be
+    armed, nothing is touched."""
+    ctx = cp.ctx
+    starts = {p.pid: start_time(ctx, p.pid) for p in cp.procs}
+    try:
+        guardian.spawn(ctx, cp.criu_pid, cp.cid, [(p, starts[p]) for p in cp.pids],
+                       cp.run.path, {p.pid: p.nspid for p in cp.procs},
+                       key=lock_key(ctx, cp.record, cp.init_pid))
+    except Exception as exc:
+        raise EnvironmentProblem(f"pre-dump: cannot arm the guardian: {exc}; "
+                                 "nothing was locked") from exc
+    cp.run.step(steps.ARMED)
+
+
+def _prepare(cp: Checkpoint) -> tuple[list[str], dict[str, Any], float | None]:
+    """What the manifest and a later restore need, and the VMM interposer's
+    prepare step, which must run before the CUDA lock. A partial set of
+    interposer sockets is refused here. Nothing is locked yet: a refusal
+    aborts the dump and the workload never noticed. The state --prepare
+    saved is copied for the guardian now, before any lock: CRIU's image
+    directory is gone by the time the guardian acts. Undo, from the
+    checkpoint on: it drops the processes' VMM mappings, and nothing else
+    brings them back - replay the saved state into those that run again."""
+    ctx, cid = cp.ctx, cp.cid
+    assert cp.image_dir is not None
+    try:
+        gpus, models = gpus_and_models(ctx, visible_gpus(cp.record))
+        began = time.monotonic()
+        cp.with_vmm = vmm_steps.prepare(ctx, cid, cp.procs, cp.image_dir,
+                                        (cp.record or {}).get("key"))
+        vmm_prepare_s = time.monotonic() - began if cp.with_vmm else None
+        if cp.with_vmm:
+            vmm_steps.keep_for_guardian(cp.image_dir, guardian.vmm_dir(cp.run.path))
+    except CudahookError as exc:
+        results.remember(ctx, cid, "checkpoint", ok=False, error=str(exc),
+                         reasons=[exc.reason] if exc.reason else [])
+        raise
+    except OSError as exc:
+        message = f"pre-dump: cannot keep the VMM state for the guardian: {exc}; nothing was locked"
+        results.remember(ctx, cid, "checkpoint", ok=False, error=message)
+        raise EnvironmentProblem(message) from exc
+    if cp.with_vmm:
+        image_dir = cp.image_dir
+        cp.undo.push(vmm_steps.NOT_REPLAYED,
+                     lambda: vmm_steps.replay(ctx, cid, image_dir, cp.back, "rollback"))
+    return gpus, models, vmm_prepare_s
+
+
+def _lock_all(cp: Checkpoint) -> Any:
+    """Lock all (in parallel: a partly locked NCCL job can hang its peers),
+    then checkpoint all. On a failure the engine rolls every touched process
+    back and verifies each one `running`, and the stack replays the VMM
+    state into those it brought back; CRIU then aborts on our exit status
+    (the guardian finds them running and leaves them; a rollback that
+    failed it tries again). The engine's result, or the exit code.
+    Undo from here on: restore every process."""
+    ctx, cid = cp.ctx, cp.cid
+    cp.run.step(steps.LOCKING)
+    try:
+        result = ctx.engine.checkpoint(cp.procs, fresh_states=True)
+    except PhaseError as exc:
+        back = exc.result.brought_back() if exc.result else set()
+        cp.back = [(p.pid, p.nspid) for p in cp.procs if p.pid in back]
+        undone = cp.undo.unwind()
+        error = "; ".join([str(exc), *undone])
+        unsafe = not exc.safe or bool(undone)
+        if not unsafe:  # every process verified running: nothing left for the guardian
+            cp.run.step(steps.ROLLED_BACK)
+        ctx.log("checkpoint", container=cid, error=error, pids=cp.pids, unsafe=unsafe,
+                timeline=exc.result.timeline.to_dict() if exc.result else None)
+        results.remember(ctx, cid, "checkpoint", ok=False, error=error, unsafe=unsafe,
+                         rolled_back=bool(exc.result and exc.result.rolled_back))
+        return Exit.UNSAFE if undone else int(exc.exit_code)
+    cp.undo.push("rolling back failed", lambda: _restore_all(cp))
+    return result
+
+
+def _restore_all(cp: Checkpoint) -> None:
+    cp.ctx.engine.restore(cp.procs)
+    cp.back = [(p.pid, p.nspid) for p in cp.procs]  # the VMM replay's, next on the stack
+
+
+def _no_nvml_left(cp: Checkpoint) -> int | None:
+    """Hazard: NVML handles (and a fork()ed child's CUDA references) survive
+    the CUDA checkpoint, and CRIU fails on them. Only now can they be told
+    from CUDA's own device files. Undo: the stack puts every process back
+    on its GPU. The exit code, or None when none is left."""
+    ctx = cp.ctx
+    leftover = {p.pid: files for p in cp.procs
+                if (files := device_files(ctx.host, p.pid, ctx.settings.device_regex))}
+    if not leftover:
+        return None
+    # Every process is put back on its GPU, with its VMM mappings too.
+    cp.back = [(p.pid, p.nspid) for p in cp.procs]
+    undone = cp.undo.unwind()
+    message = ("NVML_FDS: CRIU cannot dump open NVIDIA device files left after the CUDA "
+               "checkpoint (NVML handles are not released by it): "
+               + describe_holders(leftover, "CUDA process"))
+    rolled = not any(u.startswith("rolling back failed") for u in undone)
+    message = "; ".join([message, *(["every process was restored and runs"] if rolled else []),
+                         *undone])
+    code = Exit.UNSAFE if undone else Exit.FAILED
+    if code == Exit.FAILED:
+        cp.run.step(steps.ROLLED_BACK)
+    ctx.log("checkpoint", container=cp.cid, error=message, pids=cp.pids)
+    results.remember(ctx, cp.cid, "checkpoint", ok=False, error=message,
+                     unsafe=code == Exit.UNSAFE, rolled_back=True, reasons=["NVML_FDS"])
+    return code
+
+
+def _record(cp: Checkpoint, gpus: list[str], models: dict[str, Any], result: Any) -> None:
+    """The checkpoint, recorded in the image. Hazard: the dump can still fail
+    after us (even while freezing, where CRIU runs no script), or run with
+    --leave-running; either way CRIU lets the tasks run again, checkpointed,
+    off their GPU: the guardian armed above brings them back. Undo if the
+    manifest cannot be written: without it the restore could never bring
+    the GPU state back - so remove it and restore everything now."""
+    from cudahook.vmm import coordinator as vmm
+
+    assert cp.image_dir is not None
+    image_dir = cp.image_dir
+    cp.run.step(steps.CHECKPOINTED)
+    data = {
+        "container_id": cp.cid,
+        "created": time.time(),
+        "driver_version": cp.ctx.backend.features.version,
+        "gpus": gpus,
+        # Model and size of each: a restore elsewhere needs the same chip.
+        "gpu_models": {u: {"name": models[u][0], "memory_mib": models[u][1]}
+                       for u in gpus if u in models},
+        "vmm": cp.with_vmm,
+        "gpu_memory_bytes": cp.verdict.facts.get("gpu_memory_bytes"),
+        "processes": [{"nspid": p.nspid, "pid": p.pid, "state": p.state} for p in cp.procs],
+        "timeline": result.timeline.to_dict(),
+    }
+    cp.undo.push("cannot remove the partial manifest", lambda: _unlink(image_dir / manifest.NAME))
+    try:
+        manifest.write(image_dir, data, files=[vmm.STATE_FILE] if cp.with_vmm else [])
+    except Exception as exc:
+        undone = cp.undo.unwind()
+        if not undone:
+            cp.run.step(steps.ROLLED_BACK)
+            raise EnvironmentProblem(f"pre-dump: cannot record the checkpoint: {exc}") from exc
+        raise PhaseError("checkpoint", [f"cannot record the checkpoint: {exc}", *undone],
+                         safe=False) from exc
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):  # never written, or already gone
+        path.unlink()
+
+
+def _hand_over(cp: Checkpoint, gpus: list[str], models: dict[str, Any], result: Any,
+               vmm_prepare_s: float | None) -> None:
+    """Handed over to CRIU: it dumps the processes, now without GPU state.
+    The stack commits: a dump that fails from here is the guardian's."""
+    from .containers import model_label
+
+    ctx, cid = cp.ctx, cp.cid
+    cp.undo.commit()
+    cp.run.step(steps.RECORDED)
+    cp.run["handed_over"] = time.time()  # CRIU dumps from here (the guardian's metric)
+    timeline = result.timeline.to_dict()
+    ctx.log("checkpoint", container=cid, pids=cp.pids, nspids=[p.nspid for p in cp.procs],
+            total_s=result.timeline.total(), timeline=timeline)
+    results.remember(ctx, cid, "checkpoint", ok=True, pids=cp.pids,
+                     total_s=round(result.timeline.total(), 6), timeline=timeline,
+                     gpu_bytes=cp.verdict.facts.get("gpu_memory_bytes"),
+                     vmm_prepare_s=vmm_prepare_s,
+                     gpu_model=model_label({u: m[0] for u, m in models.items()}, gpus))
+    cp.run["checkpointed"] = cp.pids
+
