@@ -147,6 +147,35 @@ def test_pre_dump_without_cuda_processes(node: Node, tmp_path: Path) -> None:
     assert events(node, "checkpoint") == []
 
 
+def test_pre_dump_asks_nvidia_smi_only_when_a_process_holds_a_gpu(
+        node: Node, tmp_path: Path) -> None:
+    """A container without CUDA is the common case: its pre-dump makes no
+    nvidia-smi call. One process holding NVIDIA device files is enough for
+    the GPU queries to start (beside discovery)."""
+    calls = tmp_path / "smi-calls"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {node.lab.nvidia_smi} "$@"\n')
+    smi.chmod(0o755)
+    config = tmp_path / "cudahook.yaml"
+    config.write_text(yaml.safe_dump(dict(node.settings(nvidia_smi=str(smi)).__dict__)))
+    script = hookfiles.install(tmp_path / "hooks", python=sys.executable,
+                               config=str(config))["cudahook-criu-action"]
+    image = tmp_path / "img"
+    image.mkdir()
+    plain = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], start_new_session=True)
+    node.procs.append(plain)  # type: ignore[arg-type]
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(plain.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 0, r.stderr
+    assert not calls.exists()
+    monitor = node.spawn_tree(("n", {"nvml_only": True}))
+    node.lab.wait_counter("n")
+    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(monitor.pid),
+               CRTOOLS_IMAGE_DIR=str(image))
+    assert r.returncode == 1 and "nothing was locked" in r.stderr, r.stderr
+    assert "--query-compute-apps" in calls.read_text()
+
+
 def test_pre_dump_refuses_nvidia_files_criu_cannot_dump(node: Node, tmp_path: Path) -> None:
     """An NVML monitor (device files, no CUDA) is refused before anything is
     locked; a CUDA process that also holds NVML handles keeps them past the CUDA

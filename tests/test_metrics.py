@@ -89,6 +89,35 @@ def test_pre_dump_refuses_with_the_reason_code_and_touches_nothing(
     node.lab.force_state(b, "running")
 
 
+def test_a_refusal_updates_the_metrics_once(node: Node, tmp_path: Path,
+                                           monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The verdict and the refused checkpoint are one event: one rewrite of
+    the metrics file (under its lock), not two."""
+    from cudahook.flow import actions
+    from cudahook.flow.context import Context
+    from cudahook.platform.tools import CALLS_ENV
+
+    monkeypatch.setenv(CALLS_ENV, "")  # the run names its calls here: put back afterwards
+    image = tmp_path / "img"
+    image.mkdir()
+    init = node.spawn_tree(("a", {"mib": 1}))
+    a = node.lab.wait_counter("a")["pid"]
+    node.lab.force_state(a, "failed")
+    updates: list[metrics.Changes] = []
+    real = metrics.update
+    monkeypatch.setattr(metrics, "update", lambda s, c, **kw: updates.append(c) or real(s, c, **kw))
+    try:
+        rc = actions.run(Context(node.settings()), "pre-dump", image, init.pid, os.getpid())
+    finally:
+        node.lab.force_state(a, "running")
+    assert rc == 1
+    assert len(updates) == 1, [u.ops for u in updates]
+    assert {"cudahook_last_check_ok", "cudahook_refusals_total",
+            "cudahook_checkpoints_total"} <= {op[1] for op in updates[0].ops}
+    found = samples(metrics_file(node))
+    assert value(found, "cudahook_checkpoints_total", outcome="refused") == 1
+
+
 def test_a_checkpoint_its_phases_bytes_and_the_guardian_resume_are_counted(
         node: Node, tmp_path: Path) -> None:
     script = install(tmp_path, node)

@@ -150,11 +150,15 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
     """
     v = Verdict("checkpoint", {"container": container, "init_pid": init_pid, "pids": pids})
     # The two nvidia-smi calls run beside discovery, not after it: each costs
-    # a driver attach, and discovery waits on the driver too.
-    gpus = _Background(lambda: ctx.gpus)
-    apps = _Background(lambda: ctx.host.run([ctx.settings.tool("nvidia_smi"), *APPS_QUERY], 30))
+    # a driver attach, and discovery waits on the driver too. Pre-dump starts
+    # them only once a process holds an NVIDIA device file: a container
+    # without CUDA makes no driver call at all.
+    gpus = _Background(lambda: ctx.gpus, start=full)
+    apps = _Background(lambda: ctx.host.run([ctx.settings.tool("nvidia_smi"), *APPS_QUERY], 30),
+                       start=full)
     try:
-        return _checkpoint_checks(ctx, v, init_pid, pids, image_dir, full, container, apps)
+        return _checkpoint_checks(ctx, v, init_pid, pids, image_dir, full, container,
+                                  (gpus, apps))
     finally:
         gpus.join()
         apps.join()
@@ -162,7 +166,8 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
 
 def _checkpoint_checks(ctx: Context, v: Verdict, init_pid: int | None, pids: list[int] | None,
                        image_dir: Path | None, full: bool, container: str | None,
-                       apps: _Background) -> Verdict:
+                       queries: tuple[_Background, _Background]) -> Verdict:
+    apps = queries[1]
     feats = None
     if full:
         feats = _driver(ctx, v)
@@ -185,6 +190,9 @@ def _checkpoint_checks(ctx: Context, v: Verdict, init_pid: int | None, pids: lis
     members = _members(ctx, init_pid)
     if _stopped(ctx, v, list(pids) if pids else (members or ([], ""))[0], traced=full):
         return v
+    if not full and _may_use_a_gpu(ctx, pids, members):
+        for query in queries:
+            query.start()
     discovered = _discover(ctx, v, init_pid, pids, every=full, members=members)
     if discovered is None:
         return v
@@ -277,6 +285,21 @@ def _members(ctx: Context, init_pid: int | None) -> tuple[list[int], str] | None
         return container_pids(ctx.host, init_pid)
     except Exception:
         return None
+
+
+def _may_use_a_gpu(ctx: Context, pids: list[int] | None,
+                   members: tuple[list[int], str] | None) -> bool:
+    """Whether any process may be CUDA's: pids named, members unknown, or
+    one holding an NVIDIA device file (what pre-dump's discovery asks)."""
+    from cudahook.core.discovery import has_device_fd
+
+    if pids or members is None:
+        return True
+    for pid in members[0]:
+        with contextlib.suppress(Exception):  # gone or unreadable: discovery says more
+            if has_device_fd(ctx.host, pid, ctx.settings.device_regex):
+                return True
+    return False
 
 
 def _stopped(ctx: Context, v: Verdict, pids: list[int], *, traced: bool) -> bool:
@@ -432,14 +455,22 @@ APPS_QUERY = ("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nou
 
 
 class _Background:
-    """fn() in a thread from now on; its result (or exception) at `result`."""
+    """fn() in a thread, from start() on; its result (or exception) at
+    `result` (which starts it, if nobody did)."""
 
-    def __init__(self, fn: Any):
+    def __init__(self, fn: Any, *, start: bool = True):
         import threading
 
         self._box: list[tuple[bool, Any]] = []
         self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self._thread.start()
+        self._started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
 
     def _run(self, fn: Any) -> None:
         try:
@@ -448,9 +479,11 @@ class _Background:
             self._box.append((False, exc))
 
     def join(self) -> None:
-        self._thread.join()
+        if self._started:
+            self._thread.join()
 
     def result(self) -> Any:
+        self.start()
         self._thread.join()
         ok, value = self._box[0]
         if not ok:

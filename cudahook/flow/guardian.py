@@ -323,26 +323,14 @@ def _unmark(args: dict[str, Any], key: str) -> None:
 
 
 def _guard(args: dict[str, Any], cid: str | None) -> int:
-    from cudahook.core.backends import CHECKPOINTED, LOCKED, RUNNING, explain_state
-    from cudahook.core.timeline import Timeline
     from cudahook.platform.config import Settings
-    from cudahook.platform.errors import CudahookError
 
     from . import results
     from .context import Context
 
     ctx = Context(Settings(**args["settings"]))
-    # Restoring under a dump that is still running would put GPU state into
-    # processes CRIU is saving: never proceed while CRIU lives. The action
-    # script is waited for too: it may outlive a CRIU that was killed, and
-    # must not be racing us. Its own calls all have deadlines.
-    hook = args.get("hook") or [None, None]
-    for what, pid, start in (("CRIU", args["criu_pid"], args["criu_start"]),
-                             ("the action script", hook[0], hook[1])):
-        if pid is not None and not wait_exit(int(pid), start, ctx.host):
-            ctx.log("guardian", container=cid, error=f"{what} (pid {pid}) still running after "
-                    f"{MAX_WAIT_S}s: the workload is left as it is")
-            return 1
+    if not _dump_over(ctx, args, cid):
+        return 1
     # Its calls die with it (parent-death signal); whatever they started,
     # or a call the signal missed, is ended here before any state is read.
     stuck = _end_calls(ctx, args, cid)
@@ -364,33 +352,72 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
         return 0
     # The tasks of a completed dump are being killed; let that land.
     time.sleep(0.05)
-    alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
+    alive = _alive_procs(ctx, args)
     if not alive:
         _drop(keep)
         ctx.log("guardian", container=cid, outcome="dump completed; nothing to resume", run=how)
         return 0
-    # A runtime that paused the container for the dump resumes it after
-    # CRIU exits; the CUDA restore can only run once it has.
+    alive = _thawed(ctx, args, cid, alive)
+    if alive is None:
+        return 1
+    if stuck:  # a call still in the driver may change any state read now
+        return _unsafe(ctx, cid, alive, how, keep,
+                       f"driver calls {stuck} of the action script could not be ended; "
+                       "the workload's CUDA state is not known")
+    return _resume(ctx, args, cid, alive, how, keep)
+
+
+def _alive_procs(ctx: Any, args: dict[str, Any]) -> list[int]:
+    return [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
+
+
+def _dump_over(ctx: Any, args: dict[str, Any], cid: str | None) -> bool:
+    """Restoring under a dump that is still running would put GPU state into
+    processes CRIU is saving: never proceed while CRIU lives. The action
+    script is waited for too: it may outlive a CRIU that was killed, and
+    must not be racing us. Its own calls all have deadlines."""
+    hook = args.get("hook") or [None, None]
+    for what, pid, start in (("CRIU", args["criu_pid"], args["criu_start"]),
+                             ("the action script", hook[0], hook[1])):
+        if pid is not None and not wait_exit(int(pid), start, ctx.host):
+            ctx.log("guardian", container=cid, error=f"{what} (pid {pid}) still running after "
+                    f"{MAX_WAIT_S}s: the workload is left as it is")
+            return False
+    return True
+
+
+def _thawed(ctx: Any, args: dict[str, Any], cid: str | None,
+            alive: list[int]) -> list[int] | None:
+    """A runtime that paused the container for the dump resumes it after
+    CRIU exits; the CUDA restore can only run once it has. The processes
+    still alive then, or None when it never was resumed."""
     deadline = time.monotonic() + MAX_WAIT_S
     while any(_frozen(ctx, pid) for pid in alive):
         if time.monotonic() >= deadline:
             # A frozen target makes cuda-checkpoint hang: nothing to do but say so.
             ctx.log("guardian", container=cid, pids=alive, error="container still paused "
                     f"after {MAX_WAIT_S}s: the workload is left checkpointed")
-            return 1
+            return None
         time.sleep(0.05)
-        alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
-    if stuck:  # a call still in the driver may change any state read now
-        return _unsafe(ctx, cid, alive, how, keep,
-                       f"driver calls {stuck} of the action script could not be ended; "
-                       "the workload's CUDA state is not known")
+        alive = _alive_procs(ctx, args)
+    return alive
+
+
+def _resume(ctx: Any, args: dict[str, Any], cid: str | None, alive: list[int], how: str,
+            keep: dict[str, Any] | None) -> int:
+    """Only `running` is safe. Locked or checkpointed: what a checkpoint
+    left behind, brought back. Anything else (failed, unknown, an operation
+    still in progress after the wait) is nothing we may act on, and never
+    taken for running."""
+    from cudahook.core.backends import CHECKPOINTED, LOCKED, RUNNING, explain_state
+    from cudahook.core.timeline import Timeline
+    from cudahook.platform.errors import CudahookError
+
+    from . import results
+
     troubled: dict[int, str] = {}
     try:
         with _busy(ctx, args.get("key", cid)):
-            # Only `running` is safe. Locked or checkpointed: what a
-            # checkpoint left behind, brought back. Anything else (failed,
-            # unknown, an operation still in progress after the wait) is
-            # nothing we may act on, and never taken for running.
             states, unread = ctx.engine.read_states(alive, Timeline(), settle=True)
             if unread:
                 raise CudahookError("; ".join(unread[p] for p in sorted(unread)))
@@ -407,7 +434,7 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
             if keep and result is not None:
                 _vmm_restore(ctx, cid, keep, result)
     except CudahookError as exc:
-        alive = [pid for pid, start in args["procs"] if ctx.host.alive(pid, start)]
+        alive = _alive_procs(ctx, args)
         if not alive:
             ctx.log("guardian", container=cid, outcome="tasks exited while resuming")
             return 0
