@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from cudahook.core import manifest
@@ -52,23 +51,22 @@ if TYPE_CHECKING:
 BUSY_WAIT_S = 30.0
 
 
-@dataclass
 class Checkpoint:
-    """What the steps of one pre-dump learn and hand on."""
-    ctx: Context
-    image_dir: Path | None
-    criu_pid: int
-    run: CriuRun
-    init_pid: int
-    undo: Undo
-    record: dict[str, Any] | None = None
-    opts: Any = None
-    verdict: Any = None
-    procs: list[CudaProcess] = field(default_factory=list)
-    with_vmm: bool = False
-    # The processes that run again after the checkpoint dropped their VMM
-    # mappings: whoever brings them back says which (see _prepare).
-    back: list[tuple[int, int]] = field(default_factory=list)
+    """What the steps of one pre-dump learn and hand on. (A plain class: the
+    dataclasses module costs every hook start milliseconds of imports.)"""
+
+    def __init__(self, ctx: Context, image_dir: Path | None, criu_pid: int, run: CriuRun,
+                 init_pid: int, undo: Undo):
+        self.ctx, self.image_dir, self.criu_pid, self.run = ctx, image_dir, criu_pid, run
+        self.init_pid, self.undo = init_pid, undo
+        self.record: dict[str, Any] | None = None
+        self.opts: Any = None
+        self.verdict: Any = None
+        self.procs: list[CudaProcess] = []
+        self.with_vmm = False
+        # The processes that run again after the checkpoint dropped their VMM
+        # mappings: whoever brings them back says which (see _prepare).
+        self.back: list[tuple[int, int]] = []
 
     @property
     def cid(self) -> str | None:

@@ -15,14 +15,11 @@ serves every way a checkpoint can fail after it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class _Entry:
-    what: str  # says what failed, as the error reports it: "<what>: <cause>"
-    fn: Callable[[], object]
-    always: bool
+# One entry: (what, fn, always). `what` says what failed, as the error
+# reports it: "<what>: <cause>". (A tuple: typing and dataclasses would cost
+# every hook start milliseconds of imports.)
+_Entry = tuple[str, Callable[[], object], bool]
 
 
 class Undo:
@@ -31,11 +28,11 @@ class Undo:
 
     def push(self, what: str, fn: Callable[[], object]) -> None:
         """Run `fn` if this operation fails."""
-        self._stack.append(_Entry(what, fn, False))
+        self._stack.append((what, fn, False))
 
     def always(self, what: str, fn: Callable[[], object]) -> None:
         """Run `fn` when this operation ends, failed or not."""
-        self._stack.append(_Entry(what, fn, True))
+        self._stack.append((what, fn, True))
 
     def unwind(self) -> list[str]:
         """The operation failed: every undo, last first. The failures, one
@@ -44,7 +41,7 @@ class Undo:
 
     def commit(self) -> list[str]:
         """The operation succeeded: only the undos that always run."""
-        return self._run(lambda e: e.always)
+        return self._run(lambda e: e[2])
 
     def _run(self, chosen: Callable[[_Entry], bool]) -> list[str]:
         failed = []
@@ -52,10 +49,11 @@ class Undo:
             entry = self._stack.pop()
             if not chosen(entry):
                 continue
+            what, fn, _ = entry
             try:
-                entry.fn()
+                fn()
             except Exception as exc:  # the next undo still runs; this one is reported
-                failed.append(f"{entry.what}: {exc}")
+                failed.append(f"{what}: {exc}")
         return failed
 
     def __enter__(self) -> Undo:

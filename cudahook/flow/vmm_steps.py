@@ -9,7 +9,6 @@ checkpoint's undo, the restore, and the guardian's late resume.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -66,6 +65,8 @@ def keep_for_guardian(image_dir: Path, copy: Path) -> None:
     directory's presence for "prepare ran". The image directory is the
     container's to fill: the state is copied as post-restore copies it
     (no link followed, regular file only, capped, under a deadline)."""
+    import shutil  # here: it loads bz2 and lzma, which no other hook step needs
+
     partial = copy.with_name(copy.name + ".new")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(mode=0o700)
