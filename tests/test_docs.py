@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import re
 import shlex
@@ -151,7 +152,16 @@ def test_shown_command_parses(argv: list[str]) -> None:
         pytest.fail(f"cudahook {shlex.join(argv)}: {exc}")
 
 
-PATHS = sorted({walk(argv)[0] for _, argv in COMMANDS})
+def shown_paths() -> list[tuple[str, ...]]:
+    paths = set()
+    for _, argv in COMMANDS:
+        # No such subcommand: test_shown_command_parses names it.
+        with contextlib.suppress(AssertionError):
+            paths.add(walk(argv)[0])
+    return sorted(paths)
+
+
+PATHS = shown_paths()
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[" ".join(p) for p in PATHS])
@@ -218,7 +228,8 @@ def test_inline_commands_name_real_subcommands_and_options() -> None:
 
 # -- reason codes and exit codes -------------------------------------------------
 
-CODE = re.compile(r"`([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)`")
+SPAN = re.compile(r"`([^`]+)`")
+CODE = re.compile(r"(?<![\w.$-])([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)(?![\w.-])")
 
 
 def source_words() -> set[str]:
@@ -246,7 +257,8 @@ def test_every_reason_code_named_exists() -> None:
     bad = [f"{rel(page)}:{no}: {code}"
            for page in PAGES
            for no, line in enumerate(page.read_text().splitlines(), 1)
-           for code in CODE.findall(line) if code not in known]
+           for span in SPAN.findall(line)
+           for code in CODE.findall(span) if code not in known]
     assert not bad, "names that are no reason code (nor any name in the code):\n" + "\n".join(bad)
 
 
@@ -358,3 +370,17 @@ def test_readme_is_a_front_door() -> None:
     assert lines[3].startswith("sudo ./install.sh --with-criu && sudo cudahook demo")
     assert lines[4].startswith("sudo scripts/test.sh ")
     assert "scripts/test.sh" in (REPO / ".ci" / "run").read_text()
+
+
+def test_named_files_exist() -> None:
+    """A file of the repository the docs name in code (`cudahook/...`,
+    `tests/...`, `bench/...`) exists: a moved module leaves no stale name."""
+    top = r"(?:cudahook|tests|bench|scripts|config|hooks|deploy|docs)"
+    bad = []
+    for page in PAGES:
+        for no, line in enumerate(page.read_text().splitlines(), 1):
+            for span in SPAN.findall(line):
+                for name in re.findall(rf"(?<![\w/.-]){top}/[\w/.-]*[\w/]", span):
+                    if "*" not in name and not (REPO / name).exists():
+                        bad.append(f"{rel(page)}:{no}: {name}")
+    assert not bad, "\n".join(bad)
