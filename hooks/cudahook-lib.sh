@@ -5,7 +5,7 @@
 # an odd file type, a size past the cap, an escape, an unusual character -
 # answers "maybe" (status 0), and Python decides.
 
-# Python's caps (cudahook.hooks.oci_state.MAX_STATE, cudahook.hooks.oci_bundle.MAX_CONFIG):
+# Python's caps (cudahook.hooks.oci_state.MAX_STATE, cudahook.flow.oci_bundle.MAX_CONFIG):
 # beyond them, Python refuses.
 CUDAHOOK_MAX_STATE=1048576
 CUDAHOOK_MAX_CONFIG=4194304
@@ -17,7 +17,7 @@ CUDAHOOK_PROC=${CUDAHOOK_PROC_ROOT:-/proc}
 CUDAHOOK_CGROUP=${CUDAHOOK_CGROUP_ROOT:-/sys/fs/cgroup}
 
 # May the bundle's config.json ($1/config.json) make a GPU container, or
-# carry cudahook's annotations? Python (cudahook.hooks.oci_bundle) answers "yes"
+# carry cudahook's annotations? Python (cudahook.flow.oci_bundle) answers "yes"
 # only for files holding one of its GPU_MARKERS in their raw text; a \u or
 # \/ escape could spell one in disguise. Not a regular file (a symlink, a
 # FIFO, a directory, a device) or larger than the cap: Python's to refuse.

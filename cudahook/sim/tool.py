@@ -99,7 +99,7 @@ def help_text(major: int) -> str:
 
 
 def fail_text(op: str, pid: int, error: str) -> str:
-    """The driver's failure line for `op` on `pid` (field notes, section 1)."""
+    """The driver's failure line for `op` on `pid`, as the driver prints it (docs/drivers.md)."""
     if op == "get-state":
         return f'Error getting process state for process ID {pid}: "{error}"\n'
     if op == "get-restore-tid":

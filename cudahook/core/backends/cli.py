@@ -41,7 +41,7 @@ def features_for(version: str) -> Features:
     """What cuda-checkpoint can do on this driver release.
 
     The tool is a stub: its parser and operations live in libcuda, so the
-    driver branch decides (field notes, section 1), whatever the binary.
+    driver branch decides (docs/drivers.md), whatever the binary.
     """
     head = version.split(".", 1)[0]
     major = int(head) if head.isdigit() else 0
