@@ -25,7 +25,7 @@ ALLOWED = {
     "sim": {"admin", "hooks", "flow", "vmm", "core", "platform"},
 }
 # `cudahook demo` runs the simulator: the one way from the product into it.
-SIM_DOORS = {"cudahook.admin.cli"}
+SIM_DOORS = {"cudahook.admin.commands.demo"}
 
 
 def module_name(path: Path) -> str:
