@@ -65,7 +65,7 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         try:
             mapping = compute_device_map(source, target) if not missing else None
         except DeviceMapError as exc:
-            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from None
+            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from exc
     if missing:
         raise NotRestorableHere(
             "GPU(s) not present on this node: " + ", ".join(missing)
@@ -85,5 +85,5 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         try:
             check_targets(mapping, models, now)
         except DeviceMapError as exc:
-            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from None
+            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from exc
     return mapping

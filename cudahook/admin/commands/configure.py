@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
                           dry_run=args.dry_run, revert=args.revert,
                           criu_registration=args.criu_registration)
     except ConfigureError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from exc
     print(escape_lines("\n".join(lines)))
     return Exit.OK
 
