@@ -18,29 +18,6 @@ from cudahook.flow.context import Context
 from cudahook.platform.errors import UsageError
 
 
-def add_parser(sub: Any) -> None:
-    ck = sub.add_parser(
-        "check", help="can a checkpoint (or a restore) succeed now? Changes nothing",
-        description="Checkpoint side: --container, --init-pid or --pid. Restore side: --image. "
-        "Exit 0: it can; 1: it cannot now (see the reason codes); 6: this image can never be "
-        "restored on this node (start the workload cold, or restore it elsewhere).")
-    g = ck.add_mutually_exclusive_group(required=True)
-    g.add_argument("--container", metavar="ID", help="a container cudahook knows (see status)")
-    g.add_argument("--init-pid", type=int, help="a container's init PID")
-    g.add_argument("--pid", type=int, action="append", help="a CUDA process (repeatable)")
-    g.add_argument("--image", metavar="DIR", help="restore side: a checkpoint image directory")
-    ck.add_argument("--image-dir", metavar="DIR",
-                    help="checkpoint side: where the image would be written (free space)")
-    t = ck.add_mutually_exclusive_group()
-    t.add_argument("--bundle", metavar="DIR",
-                   help="restore side: the OCI bundle the container would be restored with "
-                   "(its GPUs and cudahook.io/ annotations)")
-    t.add_argument("--visible-gpus", metavar="UUID,...",
-                   help="restore side: the GPUs to restore onto (default: the checkpoint's)")
-    ck.add_argument("--fresh", action="store_true",
-                    help="restore side: ignore a remembered 'never on this node' verdict")
-
-
 def run(ctx: Context, args: argparse.Namespace) -> checks.Verdict:
     if args.image:
         if args.image_dir:

@@ -102,7 +102,7 @@ def plan(runtime: str, hooks_dir: Path, *, root: str = "/", default: bool = Fals
         try:
             cfg = json.loads(path.read_text()) if path.exists() else {}
         except ValueError as exc:
-            raise ConfigureError(f"{path}: not valid JSON ({exc})") from None
+            raise ConfigureError(f"{path}: not valid JSON ({exc})") from exc
         if not isinstance(cfg, dict):
             raise ConfigureError(f"{path}: not a JSON object")
         cfg.setdefault("runtimes", {})["cudahook"] = {"path": str(wrapper)}

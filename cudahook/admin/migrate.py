@@ -95,7 +95,7 @@ def expected_checksum(archive: Path) -> str:
         raise UsageError(f"{one_line(str(side))} is missing: the archive cannot be checked "
                          "(copy it with the archive, or --no-verify)") from None
     except (OSError, safeio.FileRefused) as exc:
-        raise UsageError(one_line(f"{side}: unreadable ({exc})")) from None
+        raise UsageError(one_line(f"{side}: unreadable ({exc})")) from exc
     want = text.split()[0].lower() if text.split() else ""
     if not re.fullmatch(r"[0-9a-f]{64}", want):
         raise UsageError(f"{one_line(str(side))}: not a sha256 checksum")
@@ -114,7 +114,7 @@ def verify_checksum(archive: Path) -> str:
     try:
         got = sha256_of(archive)
     except OSError as exc:
-        raise UsageError(f"{one_line(str(archive))}: unreadable ({exc.strerror})") from None
+        raise UsageError(f"{one_line(str(archive))}: unreadable ({exc.strerror})") from exc
     if got != want:
         raise mismatch(archive, got, want)
     return got
@@ -143,7 +143,7 @@ def scan(archive: Path, copy_to: Path | None = None, *,
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             raise EnvironmentProblem(f"cannot write the restore's copy of {ar.show(archive.name)}: "
-                                     f"{exc.strerror}") from None
+                                     f"{exc.strerror}") from exc
         raise
 
 
@@ -498,7 +498,7 @@ def make_work(ctx: Any, parent: Path) -> Path:
                                      dir=parent))
     except OSError as exc:
         raise EnvironmentProblem(f"cannot make a work directory in {one_line(str(parent))}: "
-                                 f"{exc.strerror}") from None
+                                 f"{exc.strerror}") from exc
 
 
 def sweep_stale(ctx: Any, parent: Path) -> list[str]:

@@ -100,7 +100,7 @@ def keygen(out: Path) -> dict[str, str]:
         out.unlink(missing_ok=True)
         raise UsageError(f"{out} or {pub} appeared meanwhile: not overwritten") from None
     except OSError as exc:
-        raise UsageError(f"cannot write {exc.filename}: {exc.strerror}") from None
+        raise UsageError(f"cannot write {exc.filename}: {exc.strerror}") from exc
     return {"private_key": str(out), "public_key": str(pub),
             "key_id": key_id(_public_raw(key.public_key()))}
 
@@ -156,7 +156,7 @@ def trusted_keys(paths: list[Path], directory: str | None) -> list[Any]:
             names = []
         except OSError as exc:
             raise UsageError(f"migrate_trusted_keys_dir {one_line(directory)}: "
-                             f"{exc.strerror}") from None
+                             f"{exc.strerror}") from exc
         if len(names) > MAX_TRUSTED:
             raise UsageError(f"migrate_trusted_keys_dir {one_line(directory)}: more than "
                              f"{MAX_TRUSTED} keys")

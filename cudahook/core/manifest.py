@@ -107,7 +107,7 @@ def read(image_dir: Path) -> dict[str, Any] | None:
         return None
     except (OSError, safeio.FileRefused) as exc:
         why = exc.strerror if isinstance(exc, OSError) else str(exc).removeprefix(f"{path}: ")
-        raise ManifestError(f"{NAME} in the checkpoint is unreadable ({why})") from None
+        raise ManifestError(f"{NAME} in the checkpoint is unreadable ({why})") from exc
     if not isinstance(data, dict):
         raise ManifestError(f"{NAME} in the checkpoint is unreadable (not a JSON object)")
     if type(data.get("version")) is not int or data["version"] != VERSION:
@@ -129,5 +129,5 @@ def _validate(data: dict[str, Any]) -> None:
         # Name the part a reader looks for first; the schema says the rest.
         for key, what in (("processes", "malformed process list"), ("gpus", "malformed GPU list")):
             if text.startswith(f"{NAME}: {key}"):
-                raise ManifestError(f"{NAME}: {what}: {text.removeprefix(NAME + ': ')}") from None
-        raise ManifestError(text) from None
+                raise ManifestError(f"{NAME}: {what}: {text.removeprefix(NAME + ': ')}") from exc
+        raise ManifestError(text) from exc

@@ -64,7 +64,7 @@ def _check_limits(raw: dict[str, str]) -> None:
         text = str(exc)
         for k, (name, _) in _SETTING.items():
             text = text.replace(f"annotation: {name}:", f"annotation {PREFIX}{k}:", 1)
-        raise UsageError(text) from None
+        raise UsageError(text) from exc
 
 
 def ours(annotations: dict[str, str] | None) -> dict[str, str]:
@@ -90,14 +90,14 @@ def parse(annotations: dict[str, str] | None) -> Options:
     try:
         validate(raw, "annotations.schema.json", "annotation")
     except Exception as exc:  # ConfigError, reworded for where the value came from
-        raise UsageError(str(exc).replace("annotation: ", f"annotation {PREFIX}", 1)) from None
+        raise UsageError(str(exc).replace("annotation: ", f"annotation {PREFIX}", 1)) from exc
     if "device-map" in raw:
         from cudahook.core.devicemap import parse_device_map
 
         try:
             parse_device_map(raw["device-map"])
         except DeviceMapError as exc:  # the pattern lets e.g. "GPU-----..." or duplicates through
-            raise UsageError(f"annotation {PREFIX}device-map: {exc}") from None
+            raise UsageError(f"annotation {PREFIX}device-map: {exc}") from exc
     # The patterns allow values the configuration schema rejects (a call
     # timeout of 0, a lock timeout past its maximum): hold them to the same limits.
     _check_limits(raw)

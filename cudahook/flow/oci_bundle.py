@@ -49,9 +49,9 @@ def read_config(bundle: str) -> Any:
     except FileNotFoundError:
         raise UsageError(f"{path}: no such file") from None
     except FileRefused as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from exc
     except OSError as exc:
-        raise UsageError(f"{path}: unreadable ({exc.strerror})") from None
+        raise UsageError(f"{path}: unreadable ({exc.strerror})") from exc
 
 
 def read_bundle(bundle: str) -> BundleInfo:

@@ -21,12 +21,9 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
-                 data: dict[str, Any]) -> dict[str, str] | None:
-    """The device map this restore needs (None: the same GPUs), or a refusal."""
-    from cudahook.core.devicemap import check_targets, compute_device_map, parse_device_map
-
-    feats = ctx.backend.features  # refuses when this node's driver version is unknown
+def _same_driver_branch(feats: Any, data: dict[str, Any]) -> None:
+    """Refuses unless this node runs the checkpoint's driver branch with a
+    cuda-checkpoint that can restore at all."""
     have, had = feats.major, str(data.get("driver_version", "")).split(".")[0]
     if not had.isdigit():
         # Without it the branch check would pass by default: refuse instead.
@@ -40,6 +37,15 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
     if not feats.actions and not feats.toggle:
         raise EnvironmentProblem("cuda-checkpoint on this node supports neither actions nor toggle",
                                  reason="DRIVER_TOO_OLD")
+
+
+def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
+                 data: dict[str, Any]) -> dict[str, str] | None:
+    """The device map this restore needs (None: the same GPUs), or a refusal."""
+    from cudahook.core.devicemap import check_targets, compute_device_map, parse_device_map
+
+    feats = ctx.backend.features  # refuses when this node's driver version is unknown
+    _same_driver_branch(feats, data)
     source = list(data.get("gpus") or [])
     node, now = gpus_and_models(ctx, ["all"])
     if any(u.startswith("MIG-") for u in source):
@@ -65,7 +71,7 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         try:
             mapping = compute_device_map(source, target) if not missing else None
         except DeviceMapError as exc:
-            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from None
+            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from exc
     if missing:
         raise NotRestorableHere(
             "GPU(s) not present on this node: " + ", ".join(missing)
@@ -85,5 +91,5 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
         try:
             check_targets(mapping, models, now)
         except DeviceMapError as exc:
-            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from None
+            raise NotRestorableHere(str(exc), reason="GPU_MISMATCH") from exc
     return mapping

@@ -143,7 +143,7 @@ def _mark(cid: str) -> None:
     try:
         mark("gpu", cid)
     except OSError as exc:
-        raise StateError(f"container {cid}: cannot leave its mark: {exc.strerror}") from None
+        raise StateError(f"container {cid}: cannot leave its mark: {exc.strerror}") from exc
 
 
 def on_poststop(state: dict) -> int:  # type: ignore[type-arg]

@@ -27,7 +27,7 @@ def read_state(text: str) -> dict[str, Any]:
     try:
         state = json.loads(text)
     except ValueError as exc:
-        raise UsageError(f"container state on stdin is not JSON: {exc.msg}") from None
+        raise UsageError(f"container state on stdin is not JSON: {exc.msg}") from exc
     except RecursionError:
         # Deeply nested input fits in MAX_STATE but overflows the decoder.
         raise UsageError("container state on stdin is not JSON: nested too deeply") from None

@@ -170,9 +170,9 @@ def _read(target: Path) -> bytes:
     except FileNotFoundError:
         raise
     except CudahookError as exc:  # safeio.FileRefused
-        raise ConfigError(one_line(f"{target}: {str(exc).rpartition(': ')[2]}")) from None
+        raise ConfigError(one_line(f"{target}: {str(exc).rpartition(': ')[2]}")) from exc
     except OSError as exc:
-        raise ConfigError(one_line(f"{target}: {exc.strerror or exc}")) from None
+        raise ConfigError(one_line(f"{target}: {exc.strerror or exc}")) from exc
     except ValueError:  # a NUL in the path
         raise ConfigError(one_line(f"{target}: not a valid path")) from None
 
@@ -187,7 +187,7 @@ def parse_yaml(raw: bytes, what: str) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(one_line(f"{what}: not UTF-8 (byte {exc.start})")) from None
+        raise ConfigError(one_line(f"{what}: not UTF-8 (byte {exc.start})")) from exc
     import yaml
 
     # libyaml (PyYAML's C parser) refuses nesting past 1000 levels at once;
@@ -204,18 +204,18 @@ def parse_yaml(raw: bytes, what: str) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(one_line(f"{what}:{where} not valid YAML")) from None
+        raise ConfigError(one_line(f"{what}:{where} not valid YAML")) from exc
     except ConfigError:
         raise
     except RecursionError:
         raise ConfigError(one_line(f"{what}: nested too deeply")) from None
     except ValueError as exc:
         if "digits" in str(exc):  # int(): past sys.get_int_max_str_digits()
-            raise ConfigError(one_line(f"{what}: a number with too many digits")) from None
-        raise ConfigError(one_line(f"{what}: a value YAML cannot read ({exc})", 300)) from None
+            raise ConfigError(one_line(f"{what}: a number with too many digits")) from exc
+        raise ConfigError(one_line(f"{what}: a value YAML cannot read ({exc})", 300)) from exc
     except Exception as exc:  # PyYAML's constructors: "!!float " is an IndexError
         raise ConfigError(one_line(f"{what}: a value YAML cannot read ({type(exc).__name__})")
-                          ) from None
+                          ) from exc
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Settings:

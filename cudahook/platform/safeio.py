@@ -44,7 +44,7 @@ def open_regular(path: str, limit: int) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-            raise FileRefused(f"{path}: is a symlink") from None
+            raise FileRefused(f"{path}: is a symlink") from exc
         raise
     try:
         st = os.fstat(fd)
@@ -172,7 +172,7 @@ def parse_json(data: bytes, what: str) -> Any:
         raise FileRefused(f"{what}: not UTF-8") from None
     except ValueError as exc:
         msg = getattr(exc, "msg", None) or str(exc)
-        raise FileRefused(f"{what}: not JSON: {msg}") from None
+        raise FileRefused(f"{what}: not JSON: {msg}") from exc
     except RecursionError:
         raise FileRefused(f"{what}: not JSON: nested too deeply") from None
 

@@ -469,7 +469,7 @@ def lock_file(path: Path, *, wait: bool = True, timeout_s: float = LOCK_WAIT_S) 
                          | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise StateError(f"{path}: cannot open the lock ({exc.strerror}); "
-                             "refusing to use it") from None
+                             "refusing to use it") from exc
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise StateError(f"{path}: the lock is not a regular file; refusing to use it")

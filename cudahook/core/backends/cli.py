@@ -69,6 +69,9 @@ def driver_version(host: Host, settings: Settings) -> str:
     the branch (features, manifest, same-branch restore) needs it.
     """
     why = []
+    # The message names both sources' answers; the error chains the one
+    # that was an exception (the /proc file's), for the log's traceback.
+    unreadable: OSError | None = None
     try:
         with open(settings.driver_version_file) as f:
             version = parse_nvrm(f.read(4096))
@@ -77,6 +80,7 @@ def driver_version(host: Host, settings: Settings) -> str:
         why.append(f"{settings.driver_version_file}: no NVRM version line")
     except OSError as exc:
         why.append(f"{settings.driver_version_file}: {exc.strerror or exc}")
+        unreadable = exc
     smi = settings.tool("nvidia_smi")
     result = host.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], 30)
     lines = [x.strip() for x in result.stdout.splitlines() if x.strip()]
@@ -87,7 +91,7 @@ def driver_version(host: Host, settings: Settings) -> str:
     else:
         said = (result.stderr or result.stdout).strip()
         why.append(f"nvidia-smi: {said or f'exit {result.returncode}'}")
-    raise EnvironmentProblem("NVIDIA driver version unknown (" + "; ".join(why) + ")")
+    raise EnvironmentProblem(f"NVIDIA driver version unknown ({'; '.join(why)})") from unreadable
 
 
 def format_device_map(device_map: dict[str, str]) -> str:

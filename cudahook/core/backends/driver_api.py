@@ -262,7 +262,7 @@ class DriverAPI:
                                     timed_out=True) from None
                 except OSError as exc:
                     raise EnvironmentProblem(
-                        f"cannot start the driver-API helper: {exc.strerror or exc}") from None
+                        f"cannot start the driver-API helper: {exc.strerror or exc}") from exc
                 self.attaches += 1
                 self._helper = helper
             hello = helper.hello
@@ -325,7 +325,7 @@ class DriverAPI:
                 request["pairs"] = [[uuid_hex(old), uuid_hex(new)]
                                     for old, new in device_map.items()]
             except ValueError as exc:
-                raise ToolError(pid, "restore", None, str(exc)) from None
+                raise ToolError(pid, "restore", None, str(exc)) from exc
         self._call(pid, "restore", request)
 
     def unlock(self, pid: int) -> None:
