@@ -165,7 +165,6 @@ def test_the_rule_sees_admin_importing_hooks(tmp_path: Path) -> None:
     assert hooks_importers(copy) == {"cudahook.admin._probe": ["cudahook.hooks.criu_action"]}
 
 
-@pytest.mark.xfail(strict=False, reason="until flow/checkpoint.py and flow/restore.py land")
 def test_flow_functions_are_short() -> None:
     assert long_functions(PKG / "flow", FLOW_MAX_LINES) == []
 

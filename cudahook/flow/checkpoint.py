@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 
     from cudahook.core.discovery import CudaProcess
 
-# How long a checkpoint waits for a `cudahook status` probe of the same container.
-BUSY_WAIT_S = 30.0
 
 
 class Checkpoint:
@@ -98,7 +96,7 @@ def pre_dump(ctx: Context, image_dir: Path | None, init_pid: int | None, criu_pi
         # calling cuda-checkpoint on processes being locked or checkpointed;
         # undo: none needed - the container's busy lock keeps it out.
         cp.record, cp.ctx, cp.opts = container_for(ctx, pid)
-        with guardian.exclusive(cp.ctx, lock_key(cp.ctx, cp.record, pid), BUSY_WAIT_S,
+        with guardian.exclusive(cp.ctx, lock_key(cp.ctx, cp.record, pid), guardian.BUSY_WAIT_S,
                                 "pre-dump"):
             return _checkpoint(cp)
 

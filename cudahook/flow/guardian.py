@@ -168,6 +168,11 @@ def pending(ctx: Any, key: str | None) -> tuple[int, int] | None:
     return None
 
 
+# How long a checkpoint or restore waits for a `cudahook status` probe (or
+# another operation) holding the same container.
+BUSY_WAIT_S = 30.0
+
+
 @contextlib.contextmanager
 def exclusive(ctx: Any, key: str | None, busy_wait_s: float, what: str) -> Iterator[None]:
     """The container's busy lock (Busy after busy_wait_s: EnvironmentProblem),

@@ -51,8 +51,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-# How long a restore waits for a `cudahook status` probe of the same container.
-BUSY_WAIT_S = 30.0
 
 
 # == post-restore ===============================================================
@@ -188,7 +186,7 @@ def post_resume(ctx: Context, image_dir: Path | None, init_pid: int | None, criu
         # Hazard: `cudahook status` calling cuda-checkpoint on processes being
         # restored. The container's busy lock keeps it out - but never at the
         # cost of the restore: after the wait it goes on without the lock.
-        with busy.hold(ctx.settings.state_dir, lock_key(ctx, record, pid), BUSY_WAIT_S,
+        with busy.hold(ctx.settings.state_dir, lock_key(ctx, record, pid), guardian.BUSY_WAIT_S,
                        required=False):
             result, procs, mapping, vmm_s = _restore(ctx, run, data, pid, record, opts, cid)
     except Exception as exc:  # whatever failed, after CRIU restored the tasks

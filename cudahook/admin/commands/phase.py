@@ -13,9 +13,6 @@ from cudahook.platform.errors import Exit, UsageError, one_line
 
 from .common import emit, pid_arg, settings
 
-# How long `checkpoint`/`restore` wait for a hook or `status` holding the container.
-BUSY_WAIT_S = 30.0
-
 
 def add_targets(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group(required=True)
@@ -49,7 +46,7 @@ class Phase:
         from cudahook.flow.context import Context
 
         cid = self._container()
-        with guardian.exclusive(Context(self.settings, self.host), cid, BUSY_WAIT_S,
+        with guardian.exclusive(Context(self.settings, self.host), cid, guardian.BUSY_WAIT_S,
                                 self.args.cmd):
             yield
 
