@@ -40,7 +40,7 @@ def unmark_container(state_dir: str | os.PathLike[str], container_id: str) -> No
     id (under another runtime root) still has a record: the shell knows only
     the id. Cleared first and set again when one is found: a create that
     wrote its record meanwhile is seen here, and one that writes it later
-    sets its mark again after (see oci_hook.on_create), so a live GPU
+    sets its mark again after (see flow/tracking.track), so a live GPU
     container never stays without its mark."""
     mark("gpu", container_id, on=False)
     try:
