@@ -135,12 +135,10 @@ def vmm_dir(run_path: Path) -> Path:
 def _marker(state_dir: str, key: str, *, create: bool = True) -> Path:
     from pathlib import Path
 
-    from cudahook.platform.privdir import ensure_private_dir
+    from cudahook.platform.privdir import private_subdir
     from cudahook.platform.store import check_key
 
-    d = Path(state_dir) / "guardians"
-    if create:
-        d = ensure_private_dir(ensure_private_dir(Path(state_dir)) / "guardians")
+    d = private_subdir(state_dir, "guardians") if create else Path(state_dir) / "guardians"
     return d / f"{check_key(key)}.json"
 
 
