@@ -288,7 +288,12 @@ def run(args: argparse.Namespace) -> int:
 
             if not _is_dir(Path(args.manifest)):
                 raise UsageError(f"--manifest {args.manifest}: not a directory")
-            _emit(args, _manifest_json(args.manifest), status.manifest_chart(args.manifest))
+            from cudahook.core.manifest import read
+
+            # Read once: the JSON and the chart show the same manifest.
+            m = read(Path(args.manifest))
+            _emit(args, m.to_dict() if m is not None else None,
+                  status.manifest_chart(args.manifest, m))
             return Exit.OK
         # The table shows no process states: probe only for the detail and --json.
         data = status.gather(ctx, live=not args.no_live and bool(args.container or args.json))
@@ -438,12 +443,6 @@ def _migrate(args: argparse.Namespace, settings: Any, host: Any) -> int:
           + (f"\n  dropped from the spec: {', '.join(out['dropped_annotations'])} (this node's "
              "CRIU configuration applies)" if out["dropped_annotations"] else ""))
     return Exit.OK
-
-
-def _manifest_json(image_dir: str) -> Any:
-    from cudahook.core.manifest import read
-
-    return read(Path(image_dir))
 
 
 def _device_map(args: argparse.Namespace) -> dict[str, str] | None:
