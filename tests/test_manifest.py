@@ -322,3 +322,29 @@ def test_the_deprecated_key_view_matches_the_file(tmp_path: Path) -> None:
     assert m is not None and m.to_dict() == on_disk
     assert m["processes"][0]["nspid"] == 7 and m.get("container_id") == "gpu-1"
     assert "files" not in m and m.get("files") is None and "gpu_models" in m
+
+
+def test_the_manifest_post_restore_keeps_reaches_post_resume_typed(tmp_path: Path) -> None:
+    """post-restore keeps the Manifest in the CRIU run's progress file (the
+    image directory is gone by post-resume) as the image holds it; the next
+    script reads it back typed. One damaged inside stays as it was, so that
+    post-resume fails closed on it instead of taking it for none."""
+    from cudahook.flow.criu_run import CriuRun
+    from cudahook.platform.host import Host
+    from cudahook.platform.store import Store
+
+    manifest.write(tmp_path, WRITTEN)
+    m = manifest.read(tmp_path)
+    assert m is not None
+    store = Store(tmp_path / "state")
+    run = CriuRun(store, Host(), os.getpid())
+    run["manifest"] = m
+    run.finish("post-restore", 0)
+    kept = json.loads(run.path.read_text())["manifest"]
+    assert kept == json.loads((tmp_path / manifest.NAME).read_text())
+    again = CriuRun(store, Host(), os.getpid()).get("manifest")
+    assert isinstance(again, Manifest) and again == m.replace(digest=None)
+    damaged = {**kept, "processes": [{"nspid": "x"}]}
+    run.progress["manifest"] = damaged
+    run.finish("post-restore", 0)
+    assert CriuRun(store, Host(), os.getpid()).get("manifest") == damaged

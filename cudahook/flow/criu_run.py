@@ -133,15 +133,16 @@ def _valid(data: Any) -> dict[str, Any]:
             k in HANDLED and type(v) is int and v in tuple(Exit) for k, v in done.items()):
         data["done"] = {}
     # What post-restore kept for post-resume, if it has the shape it wrote.
+    # One that is damaged inside stays as it is: post-resume fails closed
+    # on it (kills the container) rather than take it for no CUDA state.
     kept = data.pop("manifest", None)
     if isinstance(kept, dict):
-        import contextlib
-
         from cudahook.core.manifest import from_dict
 
-        # Any damage: as if post-restore had kept none.
-        with contextlib.suppress(Exception):
+        try:
             data["manifest"] = from_dict(kept)
+        except Exception:
+            data["manifest"] = kept
     mapping = data.get("device_map")
     if mapping is not None and not (isinstance(mapping, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in mapping.items())):
