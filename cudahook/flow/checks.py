@@ -590,7 +590,7 @@ def _mib(n: int) -> str:
 
 
 # restore_checks reads the image's manifest itself.
-READ: Any = object()
+_READ: Any = object()
 
 
 def read_manifest(image_dir: Path) -> Manifest | CudahookError | None:
@@ -605,7 +605,7 @@ def read_manifest(image_dir: Path) -> Manifest | CudahookError | None:
 
 def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
                    opts: ann.Options, *, use_cache: bool = True,
-                   found: Manifest | CudahookError | None = READ) -> Verdict:
+                   found: Manifest | CudahookError | None = _READ) -> Verdict:
     """Whether this image can be restored on this node; the device map in
     facts["device_map"] when it can. Refusals that no retry on this node can
     change are remembered (see `_cache_key`).
@@ -620,7 +620,7 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
 
     v = Verdict("restore", {"image": str(image_dir)})
     v.checked.append("manifest")
-    if found is READ:
+    if found is _READ:
         found = read_manifest(image_dir)
     if isinstance(found, CudahookError):
         v.add("MANIFEST_UNREADABLE", str(found))
