@@ -376,8 +376,8 @@ def test_restore_side_image_integrity_and_vmm(node: Node, tmp_path: Path) -> Non
     manifest.write(d, {"container_id": "c", "driver_version": node.lab.config["driver_version"],
                        "gpus": node.lab.uuids[:1], "vmm": True,
                        "processes": [{"nspid": 7, "pid": 7}]}, files=[STATE_FILE])
-    data = manifest.read(d)
-    assert data is not None and len(data["files"][STATE_FILE]["sha256"]) == 64
+    m = manifest.read(d)
+    assert m is not None and len(m.files[STATE_FILE].sha256) == 64
     cfg = config(node)
     ok(cfg, "--image", str(d))
     expect(config(node, vmm_coordinator="/nonexistent/coordinator"), ["--image", str(d)],
@@ -389,8 +389,54 @@ def test_restore_side_image_integrity_and_vmm(node: Node, tmp_path: Path) -> Non
     assert f"{STATE_FILE}: missing" in v["problems"][0]["detail"]
     # A manifest of before checksums (no "files") is still read and checked.
     old = image(tmp_path, node, "old")
-    assert "files" not in (manifest.read(old) or {})
+    m = manifest.read(old)
+    assert m is not None and m.files == {}
     ok(cfg, "--image", str(old))
+
+
+def test_outside_files_read_safely__restore_checks_judge_the_manifest_read_once(
+        node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore checks, their remembered verdicts and the kept verdict
+    all go by the one manifest read: the file is opened once when the
+    checks read it, never when the caller hands them what it read, and a
+    file put in its place afterwards changes nothing they decided."""
+    import hashlib
+
+    from cudahook.flow import annotations as ann
+    from cudahook.flow import checks
+    from cudahook.flow.context import Context
+
+    ctx = Context(node.settings())
+    img = image(tmp_path, node)
+    path = str(img / manifest.NAME)
+    first = Path(path).read_bytes()
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(p: Any, *args: Any, **kwargs: Any) -> int:
+        if os.fspath(p) == path:
+            opened.append(path)
+        return real_open(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    v = checks.restore_checks(ctx, img, None, ann.Options())
+    assert v.ok and len(opened) == 1, (v.message(), opened)
+    assert v.manifest is not None and v.manifest.digest == hashlib.sha256(first).hexdigest()
+    m = manifest.read(img)
+    opened.clear()
+    v = checks.restore_checks(ctx, img, None, ann.Options(), found=m)
+    assert v.ok and v.manifest is m and opened == []
+    # Another manifest in its place: the kept verdict is still the judged one's.
+    image(tmp_path, node, "img", container_id="someone-else")
+    assert Path(path).read_bytes() != first
+    kept = checks.write_verdict(ctx, img, v)
+    assert kept is not None and kept.name == f"image-{m.digest[:32]}.json" and opened == []
+    # What the caller could not read is the checks' MANIFEST_UNREADABLE.
+    v = checks.restore_checks(ctx, img, None, ann.Options(),
+                              found=manifest.ManifestError("cudahook-manifest.json: bad"))
+    assert [p.code for p in v.problems] == ["MANIFEST_UNREADABLE"] and opened == []
+    assert checks.restore_checks(ctx, img, None, ann.Options(), found=None).facts == {
+        "manifest": False}
 
 
 def test_never_here_verdict_is_remembered_and_answered_without_asking_the_driver(

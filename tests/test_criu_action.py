@@ -241,13 +241,13 @@ def test_pre_dump_runs_once_per_criu_run(node: Node, tmp_path: Path, backend_kin
     assert rcs == [0, 0]
     assert states == ["checkpointed"] * 3  # as the dump leaves them, seen before CRIU exits
     assert len(events(node, "checkpoint")) == 1
-    data = manifest.read(image)
-    assert data is not None
-    assert sorted(p["pid"] for p in data["processes"]) == pids
-    assert data["driver_version"].startswith("580.")
-    assert data["gpus"] == node.lab.uuids  # no OCI record: every GPU of the node
-    assert data["gpu_models"][node.lab.uuids[0]] == {
-        "name": "NVIDIA H100 80GB HBM3 (simulated)", "memory_mib": 81559}
+    m = manifest.read(image)
+    assert m is not None
+    assert sorted(p.pid for p in m.processes) == pids
+    assert m.driver_version is not None and m.driver_version.startswith("580.")
+    assert list(m.gpus) == node.lab.uuids  # no OCI record: every GPU of the node
+    assert m.gpu_models[node.lab.uuids[0]] == manifest.GpuModel(
+        "NVIDIA H100 80GB HBM3 (simulated)", 81559)
     runs = list((Path(node.settings().state_dir) / "runs").glob("*.json"))
     assert len(runs) == 1 and json.loads(runs[0].read_text())["done"] == {"pre-dump": 0}
 
@@ -411,8 +411,8 @@ def test_pre_dump_refuses_a_process_it_did_not_lock_or_checkpoint(
     r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(init.pid),
                CRTOOLS_IMAGE_DIR=str(image))
     assert r.returncode == 0, r.stderr
-    data = manifest.read(image)
-    assert data is not None and sorted(p["pid"] for p in data["processes"]) == sorted([a, b])
+    m = manifest.read(image)
+    assert m is not None and sorted(p.pid for p in m.processes) == sorted([a, b])
 
 
 def test_pre_dump_waits_for_the_guardian_of_an_earlier_checkpoint(

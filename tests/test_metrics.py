@@ -128,8 +128,8 @@ def test_a_checkpoint_its_phases_bytes_and_the_guardian_resume_are_counted(
         node.lab.wait_counter(t)
     Store(node.settings().state_dir).update("job-1", pid=init.pid, pid_start=None)
     assert dump(script, init.pid, image) == 0
-    data = manifest.read(image)
-    assert data is not None and data["gpu_memory_bytes"] == 6 << 20
+    m = manifest.read(image)
+    assert m is not None and m.gpu_memory_bytes == 6 << 20
     # The parent (CRIU) is gone, the tasks live on: the guardian resumes them.
     wait_for(lambda: bool(events(node, "guardian")), 30, "no guardian event")
     wait_for(lambda: value(samples(metrics_file(node)), "cudahook_guardian_resumes_total")

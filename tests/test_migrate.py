@@ -24,6 +24,7 @@ import pytest
 
 from cudahook.admin import migrate
 from cudahook.admin.cli import main
+from cudahook.core.manifest import FileSum, Manifest
 from cudahook.platform.errors import Exit, NotRestorableHere, UsageError
 
 
@@ -741,16 +742,14 @@ def test_exit_codes_one_table__a_changed_or_missing_image_file_is_6(tmp_path: Pa
     state = b"vmm state" * 1000
     a = archive(tmp_path, {**MEMBERS, "checkpoint/cuda-vmm.state": state})
     found = migrate.scan(a)
-    good = {"files": {"cuda-vmm.state": {"sha256": hashlib.sha256(state).hexdigest(),
-                                         "size": len(state)}}}
-    migrate.verify_files(good, found.hashed)
-    changed = {"files": {"cuda-vmm.state": {"sha256": "0" * 64, "size": len(state)}}}
+    good = FileSum(hashlib.sha256(state).hexdigest(), len(state))
+    migrate.verify_files(Manifest((), files={"cuda-vmm.state": good}), found.hashed)
+    changed = Manifest((), files={"cuda-vmm.state": FileSum("0" * 64, len(state))})
     with pytest.raises(NotRestorableHere) as exc:
         migrate.verify_files(changed, found.hashed)
     assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE
     with pytest.raises(NotRestorableHere) as exc:
-        migrate.verify_files({"files": {"other.state": good["files"]["cuda-vmm.state"]}},
-                             found.hashed)
+        migrate.verify_files(Manifest((), files={"other.state": good}), found.hashed)
     assert exc.value.reason == "IMAGE_FILE_MISSING"
 
 

@@ -102,7 +102,8 @@ def test_two_dumps_of_a_recordless_container_never_interleave(node: Node, tmp_pa
         assert {engine.read_state(p) for p in pids} == {"checkpointed"}
         done = [d for d in (tmp_path / "img1", tmp_path / "img2") if manifest.read(d)]
         assert len(done) == 1
-        assert sorted(p["pid"] for p in manifest.read(done[0])["processes"]) == pids
+        m = manifest.read(done[0])
+        assert m is not None and sorted(p.pid for p in m.processes) == pids
     finally:
         errs = end(first) + end(second)  # as if both dumps failed with the tasks alive
     assert "guardian of an earlier checkpoint" in errs, errs
@@ -128,8 +129,8 @@ def test_pre_dump_waits_for_the_guardian_of_a_recordless_container(
     finally:
         end(first)  # that dump failed with the tasks alive: its guardian brings them back
     assert exit_status(second) == 0, end(second)
-    data = manifest.read(tmp_path / "img2")
-    assert data is not None and sorted(p["pid"] for p in data["processes"]) == pids
+    m = manifest.read(tmp_path / "img2")
+    assert m is not None and sorted(p.pid for p in m.processes) == pids
     assert len([e for e in events(node, "checkpoint") if "error" not in e]) == 2
     end(second)
     wait_resumed(node, tags, n=2)

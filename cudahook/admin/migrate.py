@@ -38,7 +38,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cudahook.platform.atomic import write_atomic
 from cudahook.platform.errors import (
@@ -51,6 +51,9 @@ from cudahook.platform.errors import (
 )
 
 from . import archive as ar
+
+if TYPE_CHECKING:
+    from cudahook.core.manifest import Manifest
 
 MANIFEST = "checkpoint/cudahook-manifest.json"
 SPEC_FILES = ("spec.dump", "config.dump")
@@ -276,7 +279,7 @@ def choose_gpus(source: Sequence[str], node: Sequence[str], wanted: Sequence[str
     return list(node[: len(source)])
 
 
-def plan(ctx: Any, data: dict[str, Any], wanted: Sequence[str] | None
+def plan(ctx: Any, m: Manifest, wanted: Sequence[str] | None
          ) -> tuple[list[str], dict[str, str] | None]:
     """This node's GPUs for the checkpoint and the device map the restore
     gate computes for them (or its refusal)."""
@@ -284,12 +287,12 @@ def plan(ctx: Any, data: dict[str, Any], wanted: Sequence[str] | None
     from cudahook.flow import annotations as ann
     from cudahook.flow.restore_gate import plan_restore
 
-    source = [str(u) for u in data.get("gpus") or []]
+    source = list(m.gpus)
     try:
         node = [g.uuid for g in query_gpus(ctx.host, ctx.settings)]
         targets = choose_gpus(source, node, wanted)
         # The record the OCI hook will write at restore names exactly these.
-        mapping = plan_restore(ctx, {"visible": targets}, ann.Options(), data)
+        mapping = plan_restore(ctx, {"visible": targets}, ann.Options(), m)
     except CudahookError as exc:
         if exc.reason is None:
             raise
@@ -399,45 +402,41 @@ def checkpoint(ctx: Any, podman: Sequence[str], container: str, archive: Path, *
         signed = str(signing.sign(archive, digest, size, container, key))
     # Written last: an archive with its checksum beside it is complete.
     write_atomic(sidecar(archive), f"{digest}  {archive.name}\n".encode(), 0o644)
-    data = _peek_manifest(archive)
+    m = _peek_manifest(archive)
     return {"container": container, "archive": str(archive), "sha256": digest,
-            "bytes": size, "gpus": (data or {}).get("gpus"),
+            "bytes": size, "gpus": list(m.gpus) if m else None,
             "leave_running": leave_running, "signature": signed}
 
 
-def _manifest(small: dict[str, bytes]) -> dict[str, Any] | None:
-    """The checkpoint's manifest, read and checked as the restore gate reads
-    it (None: the checkpoint holds no CUDA state). Unreadable: exit 6, as
+def _manifest(small: dict[str, bytes]) -> Manifest | None:
+    """The checkpoint's manifest, checked as the restore gate checks it
+    (None: the checkpoint holds no CUDA state). Unreadable: exit 6, as
     `cudahook check --image` says (MANIFEST_UNREADABLE)."""
     from cudahook.core import manifest
 
     if MANIFEST not in small:
         return None
-    with tempfile.TemporaryDirectory(prefix="cudahook-manifest-") as d:
-        path = Path(d, MANIFEST)
-        path.parent.mkdir()
-        path.write_bytes(small[MANIFEST])
-        try:
-            return manifest.read(path.parent)
-        except manifest.ManifestError as exc:
-            raise NotRestorableHere(one_line(str(exc)), reason="MANIFEST_UNREADABLE") from exc
+    try:
+        return manifest.parse(small[MANIFEST])
+    except manifest.ManifestError as exc:
+        raise NotRestorableHere(one_line(str(exc)), reason="MANIFEST_UNREADABLE") from exc
 
 
-def verify_files(data: dict[str, Any], hashed: dict[str, tuple[str, int]]) -> None:
+def verify_files(m: Manifest, hashed: dict[str, tuple[str, int]]) -> None:
     """cudahook's own files the manifest names, as the archive holds them:
     exit 6 when one is missing or changed (IMAGE_FILE_MISSING,
     IMAGE_CHECKSUM), as `cudahook check --image` says."""
-    for name, want in sorted((data.get("files") or {}).items()):
+    for name, want in sorted(m.files.items()):
         got = hashed.get(f"checkpoint/{name}")
         if got is None:
             raise NotRestorableHere(f"{ar.show(name)}: missing from the archive's image",
                                     reason="IMAGE_FILE_MISSING")
-        if got != (want.get("sha256"), want.get("size")):
+        if got != (want.sha256, want.size):
             raise NotRestorableHere(f"{ar.show(name)}: sha256 or size differs from the "
                                     "manifest's", reason="IMAGE_CHECKSUM")
 
 
-def _peek_manifest(archive: Path) -> dict[str, Any] | None:
+def _peek_manifest(archive: Path) -> Manifest | None:
     """The manifest of an archive just written, for the report: read up to it
     only (podman writes members in name order: it comes before the pages)."""
     try:
@@ -635,12 +634,12 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                 if required not in found.small:
                     raise UsageError(f"{one_line(str(archive))}: not a podman checkpoint archive "
                                      f"(no {required})")
-            data = _manifest(found.small)
+            m = _manifest(found.small)
             targets: list[str] | None = None
             mapping = None
-            if data is not None:
-                verify_files(data, found.hashed)
-                targets, mapping = plan(ctx, data, gpus)
+            if m is not None:
+                verify_files(m, found.hashed)
+                targets, mapping = plan(ctx, m, gpus)
                 verified.append("restore gate")
             elif gpus:
                 raise UsageError("--gpus: the checkpoint holds no CUDA state")
@@ -661,7 +660,7 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                 "origin (" + ("signature present, no trusted key: --verify-key" if has_sig
                               else "unsigned") + ")"]
             result = {"archive": str(archive), "sha256": found.sha256, "container": final,
-                      "gpus": targets, "source_gpus": (data or {}).get("gpus"),
+                      "gpus": targets, "source_gpus": list(m.gpus) if m else None,
                       "device_map": mapping, "verified": verified,
                       "not_verified": not_verified, "signature": origin,
                       "dropped_annotations": dropped}

@@ -6,11 +6,14 @@ checkpoint; `--json`: everything, for every container."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cudahook.flow.context import Context
 
 from .chart import render as chart
+
+if TYPE_CHECKING:
+    from cudahook.core.manifest import Manifest
 
 
 def gather(ctx: Context, *, live: bool = True) -> dict[str, Any]:
@@ -227,15 +230,12 @@ def render_one(c: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def manifest_chart(image_dir: str) -> str:
-    from pathlib import Path
-
-    from cudahook.core.manifest import read
-
-    data = read(Path(image_dir))
-    if data is None:
+def manifest_chart(image_dir: str, m: Manifest | None) -> str:
+    """`cudahook status --manifest`: the checkpoint in `image_dir`, whose
+    manifest is `m` (None: it has none)."""
+    if m is None:
         return f"{image_dir}: no cudahook manifest (no CUDA state in this checkpoint)"
-    head = (f"checkpoint of {data.get('container_id') or '(unknown container)'} at "
-            f"{_when(data.get('created'))}, driver {data.get('driver_version')}, "
-            f"{len(data['processes'])} CUDA process(es), VMM: {'yes' if data.get('vmm') else 'no'}")
-    return head + "\n" + chart(data.get("timeline") or {})
+    head = (f"checkpoint of {m.container_id or '(unknown container)'} at "
+            f"{_when(m.created)}, driver {m.driver_version}, "
+            f"{len(m.processes)} CUDA process(es), VMM: {'yes' if m.vmm else 'no'}")
+    return head + "\n" + chart(m.timeline or {})

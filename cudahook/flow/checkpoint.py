@@ -337,8 +337,6 @@ def _hand_over(cp: Checkpoint, gpus: list[str], models: dict[str, Any], result: 
                vmm_prepare_s: float | None) -> None:
     """Handed over to CRIU: it dumps the processes, now without GPU state.
     The stack commits: a dump that fails from here is the guardian's."""
-    from .containers import model_label
-
     ctx, cid = cp.ctx, cp.cid
     cp.undo.commit()
     cp.run.step(steps.RECORDED)
@@ -350,6 +348,7 @@ def _hand_over(cp: Checkpoint, gpus: list[str], models: dict[str, Any], result: 
                      total_s=round(result.timeline.total(), 6), timeline=timeline,
                      gpu_bytes=cp.verdict.facts.get("gpu_memory_bytes"),
                      vmm_prepare_s=vmm_prepare_s,
-                     gpu_model=model_label({u: m[0] for u, m in models.items()}, gpus))
+                     gpu_model=next((models[u][0] for u in gpus if models.get(u, ("",))[0]),
+                                    None))
     cp.run["checkpointed"] = cp.pids
 

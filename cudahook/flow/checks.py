@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from cudahook.core.discovery import CudaProcess, Discovery
+    from cudahook.core.manifest import Manifest
 
 # Below this CRIU version the checkpoint is refused (as `cudahook doctor` says).
 MIN_CRIU = (4, 0)
@@ -65,6 +66,7 @@ class Verdict(Record):
     time: float = 0.0  # when it was given; 0: now
     cached: bool = False
     found: Discovery | None = None  # checkpoint side: the processes found
+    manifest: Manifest | None = None  # restore side: the manifest judged
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -620,53 +622,74 @@ def _mib(n: int) -> str:
 # == restore side ===============================================================
 
 
+# restore_checks reads the image's manifest itself.
+_READ: Any = object()
+
+
+def read_manifest(image_dir: Path) -> Manifest | CudahookError | None:
+    """The image's manifest as restore_checks takes it: None when the image
+    holds no CUDA state, the error when it is unreadable (the checks'
+    MANIFEST_UNREADABLE, not bad input)."""
+    try:
+        return manifest.read(image_dir)
+    except CudahookError as exc:
+        return exc
+
+
 def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
-                   opts: ann.Options, *, use_cache: bool = True) -> Verdict:
+                   opts: ann.Options, *, use_cache: bool = True,
+                   found: Manifest | CudahookError | None = _READ) -> Verdict:
     """Whether this image can be restored on this node; the device map in
     facts["device_map"] when it can. Refusals that no retry on this node can
-    change are remembered (see `_cache_key`)."""
+    change are remembered (see `_cache_key`).
+
+    `found` is the image's manifest as the caller read it (read_manifest):
+    the checks judge the very manifest the restore goes on to use, and the
+    file is not opened again (it is read here when not given). The verdict
+    carries it (`manifest`)."""
     from cudahook.vmm import coordinator as vmm
 
     from .restore_gate import plan_restore
 
     v = Verdict("restore", {"image": str(image_dir)})
     v.checked.append("manifest")
-    try:
-        data = manifest.read(image_dir)
-    except CudahookError as exc:
-        v.add("MANIFEST_UNREADABLE", str(exc))
+    if found is _READ:
+        found = read_manifest(image_dir)
+    if isinstance(found, CudahookError):
+        v.add("MANIFEST_UNREADABLE", str(found))
         return v
-    if data is None:
+    if found is None:
         v.facts["manifest"] = False  # no CUDA state: nothing of cudahook's to check
         return v
-    v.facts.update(manifest=True, container=data.get("container_id"),
-                   driver_version=data.get("driver_version"), gpus=data.get("gpus") or [],
-                   vmm=bool(data.get("vmm")), gpu_memory_bytes=data.get("gpu_memory_bytes"))
-    key = _cache_key(ctx, image_dir, record, opts) if use_cache else None
+    m = v.manifest = found
+    v.facts.update(manifest=True, container=m.container_id, driver_version=m.driver_version,
+                   gpus=list(m.gpus), vmm=m.vmm, gpu_memory_bytes=m.gpu_memory_bytes)
+    key = _cache_key(ctx, m, record, opts) if use_cache else None
     if key and (cached := _cache_get(ctx, key)) is not None:
+        cached.manifest = m
         return cached
     v.checked.append("integrity")
-    for name, problem in manifest.verify_files(image_dir, data):
+    for name, problem in manifest.verify_files(image_dir, m):
         if problem == "checksum":
             v.add("IMAGE_CHECKSUM", f"{name}: sha256 or size differs from the manifest's")
         else:
             v.add("IMAGE_FILE_MISSING", f"{name}: {problem}")
-    if data.get("vmm") and not vmm.has_state(image_dir):
+    if m.vmm and not vmm.has_state(image_dir):
         v.add("IMAGE_FILE_MISSING", f"the checkpoint took the CUDA VMM interposer's state, but "
               f"the image has no regular {vmm.STATE_FILE}")
     _criu_plugin(v)
     v.checked.append("driver, GPUs, device map")
     try:
-        v.facts["device_map"] = plan_restore(ctx, record, opts, data)
+        v.facts["device_map"] = plan_restore(ctx, record, opts, m)
     except CudahookError as exc:
         v.add(exc.reason or "DRIVER_UNKNOWN", str(exc))
-    if data.get("vmm"):
+    if m.vmm:
         v.checked.append("vmm coordinator")
         if not os.access(ctx.settings.tool("vmm_coordinator"), os.X_OK):
             v.add("VMM_COORDINATOR_MISSING",
                   f"the image needs it: not executable: {ctx.settings.tool('vmm_coordinator')}")
     if not v.problems:
-        _restore_persistence(ctx, v, v.facts.get("device_map"), data)
+        _restore_persistence(ctx, v, v.facts.get("device_map"), m)
     if key and v.problems and all(p.reason.never_here for p in v.problems) and not any(
             p.code.startswith(("IMAGE_", "MANIFEST_")) for p in v.problems):
         _cache_put(ctx, key, v)
@@ -674,9 +697,9 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
 
 
 def _restore_persistence(ctx: Context, v: Verdict, mapping: dict[str, str] | None,
-                         data: dict[str, Any]) -> None:
+                         m: Manifest) -> None:
     v.checked.append("persistence")
-    targets = set((mapping or {}).values()) or set(data.get("gpus") or [])
+    targets = set((mapping or {}).values()) or set(m.gpus)
     try:
         off = [str(g.index) for g in ctx.gpus if g.uuid in targets and g.persistence is False]
     except CudahookError as exc:
@@ -705,20 +728,18 @@ def node_identity(ctx: Context) -> str | None:
     return h.hexdigest()
 
 
-def _cache_key(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
+def _cache_key(ctx: Context, m: Manifest, record: dict[str, Any] | None,
                opts: ann.Options) -> str | None:
     import hashlib
 
     from .containers import visible_gpus
 
     node = node_identity(ctx)
-    if node is None:
+    # The digest of the bytes the checks judged: never a second read of a
+    # file that may have been replaced since.
+    if node is None or m.digest is None:
         return None
-    try:
-        digest = manifest.digest(image_dir)
-    except OSError:
-        return None
-    h = hashlib.sha256(f"{digest}\0{node}\0{visible_gpus(record)}\0{opts.device_map}".encode())
+    h = hashlib.sha256(f"{m.digest}\0{node}\0{visible_gpus(record)}\0{opts.device_map}".encode())
     return h.hexdigest()[:32]
 
 
@@ -773,7 +794,9 @@ def write_verdict(ctx: Context, image_dir: Path, v: Verdict) -> Path | None:
     from cudahook.platform.privdir import private_subdir
 
     try:
-        digest = manifest.digest(image_dir)
+        # The manifest the checks judged, not the file as it is now.
+        judged = v.manifest.digest if v.manifest is not None else None
+        digest = judged or manifest.digest(image_dir)
         d = private_subdir(ctx.settings.state_dir, "verdicts")
         path = d / f"image-{digest[:32]}.json"
         write_json_atomic(path, {**v.to_dict(), "node": node_identity(ctx),

@@ -18,6 +18,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from cudahook.core.manifest import Manifest
+
 
 def container_for(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, Context, ann.Options]:
     """The OCI record (if the OCI hook saw this container; with its `key`),
@@ -74,7 +76,7 @@ def gpus_and_models(ctx: Context, visible: list[str] | None
     return resolve_uuids(visible or ["all"], gpus), {g.uuid: (g.name, g.memory_mib) for g in gpus}
 
 
-def restored_pids(ctx: Context, init_pid: int, data: dict[str, Any]) -> list[int]:
+def restored_pids(ctx: Context, init_pid: int, m: Manifest) -> list[int]:
     """Host PIDs of the manifest's processes: CRIU restores namespace PIDs."""
     by_nspid: dict[int, int] = {}
     pids, _ = container_pids(ctx.host, init_pid)
@@ -83,7 +85,7 @@ def restored_pids(ctx: Context, init_pid: int, data: dict[str, Any]) -> list[int
             by_nspid[ctx.host.nspid(pid)] = pid
         except Exception:
             continue
-    wanted = [p["nspid"] for p in data["processes"]]
+    wanted = m.nspids
     missing = [n for n in wanted if n not in by_nspid]
     if missing:
         raise PhaseError("restore", [f"restored container has no process {n} (namespace PID)"
@@ -168,17 +170,3 @@ def start_time(ctx: Context, pid: int) -> int | None:
     except Exception:
         return None
 
-
-def model_label(data: dict[str, Any] | None, gpus: list[str] | None = None) -> str | None:
-    """The GPU model label of the metrics: the first GPU's, from
-    {uuid: name} or a manifest's gpu_models."""
-    if data is None:
-        return None
-    models = data.get("gpu_models") if "gpu_models" in data else data
-    uuids = gpus if gpus is not None else list(data.get("gpus") or [])
-    for u in uuids:
-        m = (models or {}).get(u) if isinstance(models, dict) else None
-        name = m.get("name") if isinstance(m, dict) else m
-        if isinstance(name, str) and name:
-            return name
-    return None

@@ -53,7 +53,7 @@ class CriuRun:
         """Where the action under way has got to, written at once: the
         guardian reads it to tell why a pre-dump it was armed by stopped."""
         self.progress["step"] = name
-        write_json_atomic(self.path, self.progress)
+        self._save()
 
     def started(self, action: str) -> bool:
         """Whether a call of `action` in this run started acting (see own_calls)."""
@@ -77,16 +77,24 @@ class CriuRun:
         if not isinstance(hooks, dict):
             hooks = self.progress["hooks"] = {}
         hooks[action] = [os.getpid(), host.start_time(os.getpid())]
-        write_json_atomic(self.path, self.progress)
+        self._save()
 
     def note(self, name: str, value: Any) -> None:
         """Record `name` in the progress at once (the script may die next)."""
         self.progress[name] = value
-        write_json_atomic(self.path, self.progress)
+        self._save()
 
     def finish(self, action: str, rc: int) -> None:
         self.progress["done"][action] = int(rc)
-        write_json_atomic(self.path, self.progress)
+        self._save()
+
+    def _save(self) -> None:
+        # The manifest post-restore keeps for post-resume goes in as the
+        # image holds it (core/manifest.py reads it back, see _valid).
+        kept = self.progress.get("manifest")
+        to_dict = getattr(kept, "to_dict", None)
+        out = {**self.progress, "manifest": to_dict()} if to_dict else self.progress
+        write_json_atomic(self.path, out)
 
     def __getitem__(self, name: str) -> Any:
         return self.progress[name]
@@ -125,8 +133,16 @@ def _valid(data: Any) -> dict[str, Any]:
             k in HANDLED and type(v) is int and v in tuple(Exit) for k, v in done.items()):
         data["done"] = {}
     # What post-restore kept for post-resume, if it has the shape it wrote.
-    if not isinstance(data.get("manifest"), dict):
-        data.pop("manifest", None)
+    # One that is damaged inside stays as it is: post-resume fails closed
+    # on it (kills the container) rather than take it for no CUDA state.
+    kept = data.pop("manifest", None)
+    if isinstance(kept, dict):
+        from cudahook.core.manifest import from_dict
+
+        try:
+            data["manifest"] = from_dict(kept)
+        except Exception:
+            data["manifest"] = kept
     mapping = data.get("device_map")
     if mapping is not None and not (isinstance(mapping, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in mapping.items())):

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from cudahook.core import manifest
+from cudahook.core.manifest import Manifest
 from cudahook.platform.errors import CudahookError, EnvironmentProblem, Exit, PhaseError, UsageError
 from cudahook.platform.marks import mark, prune_restore_marks
 from cudahook.vmm import coordinator as vmm
@@ -37,7 +38,6 @@ from .containers import (
     container_for,
     kill_container,
     lock_key,
-    model_label,
     need_init,
     restored_pids,
     start_time,
@@ -63,23 +63,24 @@ def post_restore(ctx: Context, image_dir: Path | None, init_pid: int | None, cri
     # Only a checkpoint that holds CUDA state carries a manifest. One that
     # is there but unreadable is the checks' MANIFEST_UNREADABLE (exit 6, as
     # for `cudahook check --image`), not bad input.
-    try:
-        data = manifest.read(image_dir)
-    except manifest.ManifestError:
-        data = {}
-    if data is None:
+    # The file is read once, here: the checks judge the very manifest the
+    # restore goes on to use.
+    from .checks import read_manifest
+
+    found = read_manifest(image_dir)
+    if found is None:
         return Exit.OK
     pid = need_init(ctx, "post-restore", init_pid)
-    _watch(ctx, criu_pid, data, pid, run)
-    record, ctx, mapping = _check(ctx, image_dir, data, pid, criu_pid, run)
-    _keep(ctx, image_dir, data, mapping, run)
+    _watch(ctx, criu_pid, found, pid, run)
+    record, ctx, m, mapping = _check(ctx, image_dir, found, pid, criu_pid, run)
+    _keep(ctx, image_dir, m, mapping, run)
     _leave_mark(criu_pid)
     ctx.log("post-restore", container=(record or {}).get("id"), init_pid=pid,
             device_map=mapping, checked="manifest, driver, GPUs, device map")
     return Exit.OK
 
 
-def _watch(ctx: Context, criu_pid: int, data: dict[str, Any], init_pid: int,
+def _watch(ctx: Context, criu_pid: int, found: Manifest | CudahookError, init_pid: int,
            run: CriuRun) -> None:
     """Hazard: this script or post-resume's killed (a runtime's timeout, the
     OOM killer) - with CRIU itself, when a runtime kills the whole process
@@ -92,26 +93,28 @@ def _watch(ctx: Context, criu_pid: int, data: dict[str, Any], init_pid: int,
     starts - leaves the never-resumed tasks to the runtime, which deletes a
     container whose runc failed."""
     try:
-        watcher = guardian.watch(ctx, criu_pid, data.get("container_id"), init_pid, run.path)
+        cid = found.container_id if isinstance(found, Manifest) else None
+        watcher = guardian.watch(ctx, criu_pid, cid, init_pid, run.path)
         run.note("watcher", [watcher, start_time(ctx, watcher)])
     except Exception as exc:
         raise EnvironmentProblem(f"post-restore: cannot arm the restore watcher: {exc}") from exc
 
 
-def _check(ctx: Context, image_dir: Path, data: dict[str, Any], init_pid: int, criu_pid: int,
-           run: CriuRun) -> tuple[dict[str, Any] | None, Context, Any]:
+def _check(ctx: Context, image_dir: Path, found: Manifest | CudahookError, init_pid: int,
+           criu_pid: int, run: CriuRun) -> tuple[dict[str, Any] | None, Context, Manifest, Any]:
     """The restore checks of `cudahook check --image` (flow/checks.py): the
     image intact, CRIU's own CUDA plugin absent (it would restore these
     processes without a device map), the same driver branch, the GPUs
     present, a device map this driver can apply, the VMM coordinator. A
     refusal here is clean; one that no retry here can change is
     remembered, and the next attempt refused at once. The container's
-    record, its context and the device map."""
+    record, its context, the manifest and the device map."""
     from . import checks
 
     record, ctx, opts = container_for(ctx, init_pid)
-    verdict = checks.restore_checks(ctx, image_dir, record, opts)
-    cid = (record or {}).get("id") or data.get("container_id")
+    verdict = checks.restore_checks(ctx, image_dir, record, opts, found=found)
+    m = found if isinstance(found, Manifest) else None
+    cid = (record or {}).get("id") or (m.container_id if m else None)
     kept = checks.write_verdict(ctx, image_dir, verdict)
     run["criu_restore_s"] = results.criu_elapsed(ctx, criu_pid)
     if not verdict.ok:
@@ -119,15 +122,15 @@ def _check(ctx: Context, image_dir: Path, data: dict[str, Any], init_pid: int, c
             p.code for p in verdict.problems], cached=verdict.cached)
         results.remember(ctx, cid, "restore", check=verdict.summary(), ok=False,
                          error=verdict.message(), reasons=[p.code for p in verdict.problems],
-                         gpu_model=model_label(data))
+                         gpu_model=m.gpu_model() if m else None)
         raise checks.Refused(verdict, "post-restore")
+    assert m is not None  # an unreadable manifest is refused above
     mapping = verdict.facts.get("device_map")
     run["device_map"] = mapping
-    return record, ctx, mapping
+    return record, ctx, m, mapping
 
 
-def _keep(ctx: Context, image_dir: Path, data: dict[str, Any], mapping: Any,
-          run: CriuRun) -> None:
+def _keep(ctx: Context, image_dir: Path, m: Manifest, mapping: Any, run: CriuRun) -> None:
     """Hazard: by post-resume CRIU has closed the image directory
     (CRTOOLS_IMAGE_DIR names a dead /proc/<criu>/fd/N): keep what the
     restore needs from it now - the manifest, and where the VMM state is.
@@ -135,14 +138,14 @@ def _keep(ctx: Context, image_dir: Path, data: dict[str, Any], mapping: Any,
     stale cuda-vmm.state; only the manifest says whether the VMM step took
     part in this one."""
     vmm_dir = None
-    if not data.get("vmm"):
+    if not m.vmm:
         if vmm.has_state(image_dir):
             ctx.log("post-restore", warning="cuda-vmm.state in the image is not from this "
                     "checkpoint (its manifest has no VMM step): ignored")
     else:  # the checks made sure it is there
         vmm_dir = vmm.locate_state(image_dir, run.path.with_suffix(".vmm"))
     run["vmm_dir"] = vmm_dir
-    run["manifest"] = data
+    run["manifest"] = m
 
 
 def _leave_mark(criu_pid: int) -> None:
@@ -170,7 +173,7 @@ def post_resume(ctx: Context, image_dir: Path | None, init_pid: int | None, criu
 
     with contextlib.suppress(OSError):
         mark("restore", str(criu_pid), on=False)
-    data: dict[str, Any] | None = None
+    data: Manifest | None = None
     cid: str | None = None
     pid: int | None = None  # set once it is known to be a container's init
     try:
@@ -179,7 +182,7 @@ def post_resume(ctx: Context, image_dir: Path | None, init_pid: int | None, criu
             data = manifest.read(image_dir) if image_dir else None
         if data is None:
             return Exit.OK
-        cid = data.get("container_id")
+        cid = data.container_id
         pid = need_init(ctx, "post-resume", init_pid)
         record, ctx, opts = container_for(ctx, pid)
         cid = (record or {}).get("id") or cid
@@ -195,7 +198,7 @@ def post_resume(ctx: Context, image_dir: Path | None, init_pid: int | None, criu
     return Exit.OK
 
 
-def _restore(ctx: Context, run: CriuRun, data: dict[str, Any], init_pid: int,
+def _restore(ctx: Context, run: CriuRun, data: Manifest, init_pid: int,
              record: dict[str, Any] | None, opts: Any,
              cid: str | None) -> tuple[Any, list[int], Any, float | None]:
     # 1. The device map post-restore settled on, and the restored
@@ -214,7 +217,7 @@ def _restore(ctx: Context, run: CriuRun, data: dict[str, Any], init_pid: int,
     #    needs the processes restored and, by default, unlocked.
     began, vmm_s = time.monotonic(), None
     if vmm_dir:
-        pairs = list(zip(procs, (p["nspid"] for p in data["processes"]), strict=True))
+        pairs = list(zip(procs, data.nspids, strict=True))
         vmm_steps.replay(ctx, cid, vmm_dir, pairs)
         vmm_s = time.monotonic() - began
         if before:
@@ -223,7 +226,7 @@ def _restore(ctx: Context, run: CriuRun, data: dict[str, Any], init_pid: int,
 
 
 def fail_closed(ctx: Context, init_pid: int | None, cid: str | None,
-                data: dict[str, Any] | None, exc: Exception) -> int:
+                data: Manifest | None, exc: Exception) -> int:
     """Undo: none is possible for a half-restored workload. Kill the
     container; the image is unchanged, and a retry restores from it. An
     init PID that is not a container's (unset, gone, a kernel thread) names
@@ -239,11 +242,11 @@ def fail_closed(ctx: Context, init_pid: int | None, cid: str | None,
     with contextlib.suppress(Exception):  # the kill is done; telling it must not undo it
         ctx.log("restore", container=cid, error=error, timeline=timeline)
         results.remember(ctx, cid, "restore", ok=False, error=error, timeline=timeline,
-                         killed=killed, gpu_model=model_label(data))
+                         killed=killed, gpu_model=data.gpu_model() if data else None)
     return rc
 
 
-def _restored(ctx: Context, run: CriuRun, data: dict[str, Any],
+def _restored(ctx: Context, run: CriuRun, data: Manifest,
               record: dict[str, Any] | None, cid: str | None,
               result: Any, procs: list[int], mapping: Any, vmm_s: float | None) -> None:
     """Record a restore that succeeded. Only bookkeeping: the workload runs
@@ -251,14 +254,13 @@ def _restored(ctx: Context, run: CriuRun, data: dict[str, Any],
     kill it now."""
     try:
         if run.get("vmm_dir") and record:
-            vmm_steps.record_sockets(ctx, record["key"], procs,
-                                     [p["nspid"] for p in data["processes"]])
+            vmm_steps.record_sockets(ctx, record["key"], procs, data.nspids)
         ctx.log("restore", container=cid, pids=procs, device_map=mapping,
                 total_s=result.timeline.total(), timeline=result.timeline.to_dict())
         results.remember(ctx, cid, "restore", ok=True, pids=procs, device_map=mapping,
                          total_s=round(result.timeline.total(), 6),
                          timeline=result.timeline.to_dict(),
-                         gpu_bytes=data.get("gpu_memory_bytes"), gpu_model=model_label(data),
+                         gpu_bytes=data.gpu_memory_bytes, gpu_model=data.gpu_model(),
                          criu_restore_s=run.get("criu_restore_s"), vmm_restore_s=vmm_s)
     except Exception as exc:
         with contextlib.suppress(Exception):

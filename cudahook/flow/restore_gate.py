@@ -20,11 +20,13 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from cudahook.core.manifest import Manifest
 
-def _same_driver_branch(feats: Any, data: dict[str, Any]) -> None:
+
+def _same_driver_branch(feats: Any, m: Manifest) -> None:
     """Refuses unless this node runs the checkpoint's driver branch with a
     cuda-checkpoint that can restore at all."""
-    have, had = feats.major, str(data.get("driver_version", "")).split(".")[0]
+    have, had = feats.major, (m.driver_version or "").split(".")[0]
     if not had.isdigit():
         # Without it the branch check would pass by default: refuse instead.
         raise EnvironmentProblem(
@@ -32,7 +34,7 @@ def _same_driver_branch(feats: Any, data: dict[str, Any]) -> None:
             "cannot check that this node runs the same driver branch", reason="MANIFEST_NO_DRIVER")
     if int(had) != have:
         raise NotRestorableHere(
-            f"checkpoint was taken with driver {data['driver_version']}, this node runs "
+            f"checkpoint was taken with driver {m.driver_version}, this node runs "
             f"{feats.version}: restore needs the same driver branch", reason="DRIVER_BRANCH")
     if not feats.actions and not feats.toggle:
         raise EnvironmentProblem("cuda-checkpoint on this node supports neither actions nor toggle",
@@ -40,13 +42,13 @@ def _same_driver_branch(feats: Any, data: dict[str, Any]) -> None:
 
 
 def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
-                 data: dict[str, Any]) -> dict[str, str] | None:
+                 m: Manifest) -> dict[str, str] | None:
     """The device map this restore needs (None: the same GPUs), or a refusal."""
     from cudahook.core.devicemap import check_targets, compute_device_map, parse_device_map
 
     feats = ctx.backend.features  # refuses when this node's driver version is unknown
-    _same_driver_branch(feats, data)
-    source = list(data.get("gpus") or [])
+    _same_driver_branch(feats, m)
+    source = list(m.gpus)
     node, now = gpus_and_models(ctx, ["all"])
     if any(u.startswith("MIG-") for u in source):
         from cudahook.core.gpus import mig_uuids
@@ -84,10 +86,7 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
             reason="DEVICE_MAP_UNSUPPORTED")
     if mapping:
         # The same chip with enough memory: the driver refuses anything else.
-        recorded = data.get("gpu_models") if isinstance(data.get("gpu_models"), dict) else {}
-        models = {u: (str(m.get("name")),
-                      m["memory_mib"] if type(m.get("memory_mib")) is int else None)
-                  for u, m in recorded.items() if isinstance(m, dict)}
+        models = {u: (g.name, g.memory_mib) for u, g in m.gpu_models.items()}
         try:
             check_targets(mapping, models, now)
         except DeviceMapError as exc:

@@ -152,8 +152,8 @@ def container_demo(tmp: Path, criu: Path) -> int:
             say(f"runc checkpoint failed: {r.stderr.strip()}")
             return 1
         print(f"    done in {time.monotonic() - t0:.2f}s; image at {image}")
-        data = manifest.read(image) or {}
-        print(render(data.get("timeline") or {}))
+        m = manifest.read(image)
+        print(render((m.timeline if m else None) or {}))
         frozen = {t: lab.status(t)["counter"] for t in TAGS}
         print("    counters at checkpoint: " + ", ".join(f"{t}={v}" for t, v in frozen.items()))
 

@@ -91,9 +91,9 @@ def test_checkpoint_and_restore_are_checked_and_counted(make_env, tmp_path) -> N
     image = tmp_path / "img"
     r = env.box.checkpoint(cid, image)
     assert r.returncode == 0, r.stderr
-    data = manifest.read(image)
-    assert data is not None and set(data["files"]) == {"cuda-vmm.state"}
-    assert data["gpu_memory_bytes"] == 3 << 20  # 1 MiB each, as nvidia-smi reports it
+    m = manifest.read(image)
+    assert m is not None and set(m.files) == {"cuda-vmm.state"}
+    assert m.gpu_memory_bytes == 3 << 20  # 1 MiB each, as nvidia-smi reports it
     frozen = env.frozen(cid, tags)
     rc, v = check(env.config, "--image", str(image), "--bundle", str(bundle))
     assert rc == 0 and v["facts"]["device_map"] is None, v

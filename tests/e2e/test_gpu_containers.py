@@ -39,11 +39,11 @@ def test_round_trip(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
     r = env.box.checkpoint(cid, image)
     assert r.returncode == 0, r.stderr
     assert env.box.state(cid) is None  # the dump ended the container
-    data = manifest.read(image)
-    assert data is not None and data["container_id"] == cid
-    assert sorted(p["nspid"] for p in data["processes"]) == sorted(
+    m = manifest.read(image)
+    assert m is not None and m.container_id == cid
+    assert sorted(m.nspids) == sorted(
         env.lab.status(t)["pid"] for t in tags)
-    assert data["gpus"] == env.lab.uuids[:1] and data["driver_version"].startswith("580.")
+    assert list(m.gpus) == env.lab.uuids[:1] and str(m.driver_version).startswith("580.")
     frozen = env.frozen(cid, tags)
     assert len(env.events("checkpoint")) == 1  # CRIU ran pre-dump twice; one checkpoint
 
@@ -89,7 +89,8 @@ def test_action_script_alone_works_by_discovery(make_env, tmp_path) -> None:  # 
     r = env.box.checkpoint(cid, tmp_path / "img")
     assert r.returncode == 0, r.stderr
     frozen = env.frozen(cid, tags)
-    assert manifest.read(tmp_path / "img")["container_id"] is None
+    m = manifest.read(tmp_path / "img")
+    assert m is not None and m.container_id is None
     r = env.box.restore(cid, bundle, tmp_path / "img")
     assert r.returncode == 0, r.stderr
     env.wait_running(tags, frozen)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from cudahook.platform.errors import Exit, UsageError
 
@@ -35,7 +34,11 @@ def run(args: argparse.Namespace) -> int:
 
         if not _is_dir(Path(args.manifest)):
             raise UsageError(f"--manifest {args.manifest}: not a directory")
-        emit(args, _manifest_json(args.manifest), view.manifest_chart(args.manifest))
+        from cudahook.core.manifest import read
+
+        # Read once: the JSON and the chart show the same manifest.
+        m = read(Path(args.manifest))
+        emit(args, m.to_dict() if m is not None else None, view.manifest_chart(args.manifest, m))
         return Exit.OK
     # The table shows no process states: probe only for the detail and --json.
     data = view.gather(ctx, live=not args.no_live and bool(args.container or args.json))
@@ -45,12 +48,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         emit(args, data, view.render(data, show_all=args.all))
     return Exit.OK
-
-
-def _manifest_json(image_dir: str) -> Any:
-    from cudahook.core.manifest import read
-
-    return read(Path(image_dir))
 
 
 COMMAND = Command("status", "GPU containers and their last results, one line each; "
