@@ -32,14 +32,31 @@ STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed", 4: "checkpo
 cuuint64_t = ctypes.c_uint64
 
 
-# The argument structs exactly as cuda.h (CUDA 13.0) lays them out: 64 bytes each.
+# The argument structs exactly as cuda.h (CUDA 13.5) lays them out: 64 bytes
+# each (tests/test_cuda_abi.py holds the simulator's C copy to the header).
 class CUcheckpointLockArgs(ctypes.Structure):
     _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint),
                 ("reserved1", cuuint64_t * 7)]
 
 
+# Custom storage (CUDA 13.4+): the driver maps the target's GPU memory onto
+# the caller's GPUs, one range per GPU, and waits for the caller's copies.
+class CUcheckpointCustomStoragePerDeviceData(ctypes.Structure):
+    _fields_ = [("devPtr", ctypes.c_ulonglong), ("size", ctypes.c_size_t),
+                ("stream", ctypes.c_void_p)]
+
+
+class CUcheckpointCustomStorageInfo(ctypes.Structure):
+    _fields_ = [("handle", ctypes.c_void_p),
+                ("perDeviceData", ctypes.POINTER(CUcheckpointCustomStoragePerDeviceData)),
+                ("deviceCount", ctypes.c_uint)]
+
+
 class CUcheckpointCheckpointArgs(ctypes.Structure):
-    _fields_ = [("reserved", cuuint64_t * 8)]
+    # NULL customStorageInfo_out: GPU memory goes to the target's host memory.
+    _fields_ = [("customStorageInfo_out",
+                 ctypes.POINTER(ctypes.POINTER(CUcheckpointCustomStorageInfo))),
+                ("reserved", ctypes.c_char * 56)]
 
 
 class CUuuid(ctypes.Structure):
@@ -51,9 +68,13 @@ class CUcheckpointGpuPair(ctypes.Structure):
 
 
 class CUcheckpointRestoreArgs(ctypes.Structure):
+    # cuda.h's 40 reserved bytes at the end, here as 32 and 8.
     _fields_ = [("gpuPairs", ctypes.POINTER(CUcheckpointGpuPair)),
                 ("gpuPairsCount", ctypes.c_uint),
-                ("reserved", ctypes.c_char * (64 - 8 - 4 - 8)),
+                ("padding0", ctypes.c_uint),
+                ("customStorageInfo_out",
+                 ctypes.POINTER(ctypes.POINTER(CUcheckpointCustomStorageInfo))),
+                ("reserved", ctypes.c_char * 32),
                 ("reserved1", cuuint64_t)]
 
 
