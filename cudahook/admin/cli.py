@@ -301,10 +301,17 @@ def run(args: argparse.Namespace) -> int:
 
     backend = make_backend(settings, host)
     if args.cmd == "features":
-        f = backend.features
-        # Which backend runs the calls, and why (`backend: auto` decides per node).
-        _emit(args, {**f.__dict__, "backend": backend.name, "backend_why": backend.why},
-              f"{f.describe()}\nbackend: {backend.name} ({backend.why})")
+        from cudahook.core.backends import gpu_memory_path, probe
+
+        # Which backend runs the calls, and why (`backend: auto` decides per node);
+        # where a container's GPU memory would go, and why.
+        f = probe(backend)
+        path, path_why = gpu_memory_path(settings.gpu_memory, f)
+        _emit(args, {**f.__dict__, "backend": backend.name, "backend_why": backend.why,
+                     "gpu_memory": path, "gpu_memory_why": path_why},
+              f"{f.describe()}\nbackend: {backend.name} ({backend.why})\n"
+              f"custom storage: {'yes' if f.custom_storage else 'no'} ({f.custom_storage_why})\n"
+              f"gpu memory: {path or 'refused'} ({path_why})")
         return Exit.OK
 
     from cudahook.core.discovery import discover

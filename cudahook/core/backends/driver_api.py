@@ -245,6 +245,22 @@ class DriverAPI:
                 self._features = features_for(driver_version(self.host, self.settings))
             return self._features
 
+    def probe(self) -> Features:
+        """The features, with custom storage as the driver answers it: the
+        helper asks at start-up (cuGetProcAddress), so this costs one attach."""
+        features = self.features
+        if not features.actions:
+            return features.replace(custom_storage=False, custom_storage_why=(
+                f"driver {features.version or '(unknown version)'} has no checkpoint driver API"))
+        try:
+            hello = self._helper_for(0, "probe").hello
+        except (ToolError, EnvironmentProblem) as exc:
+            return features.replace(custom_storage=False,
+                                    custom_storage_why=f"the driver could not be asked: {exc}")
+        return features.replace(custom_storage=hello.get("custom_storage") is True,
+                                custom_storage_why=str(hello.get("custom_storage_why") or
+                                                       "the driver helper did not say"))
+
     def _need(self, flag: str, what: str) -> None:
         if not getattr(self.features, flag):
             raise EnvironmentProblem(

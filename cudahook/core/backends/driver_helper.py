@@ -154,6 +154,40 @@ class Driver:
         return None
 
 
+# cuCheckpointOperationComplete first shipped with CUDA 13.4: asking
+# cuGetProcAddress for it at that version tells whether the driver has custom
+# storage (an older driver refuses a version newer than itself).
+CUSTOM_STORAGE_VERSION = 13040
+INVALID_VALUE = 1
+PROC_ADDRESS = {1: "the driver does not know cuCheckpointOperationComplete",
+                2: "the driver has cuCheckpointOperationComplete only for a newer CUDA version"}
+
+
+def custom_storage(lib: ctypes.CDLL, cuda_version: int) -> tuple[bool, str]:
+    """Whether the driver offers CUDA 13.4's custom storage; and why (not)."""
+    get = getattr(lib, "cuGetProcAddress_v2", None)
+    if get is None:
+        return False, "libcuda exports no cuGetProcAddress_v2 (a driver before CUDA 12.0)"
+    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, cuuint64_t,
+                    ctypes.POINTER(ctypes.c_int)]
+    get.restype = ctypes.c_int
+    fn, status = ctypes.c_void_p(), ctypes.c_int(-1)
+    code = get(b"cuCheckpointOperationComplete", ctypes.byref(fn), CUSTOM_STORAGE_VERSION, 0,
+               ctypes.byref(status))
+    if code == INVALID_VALUE and cuda_version < CUSTOM_STORAGE_VERSION:
+        return False, f"the driver supports CUDA {_dotted(cuda_version)}; custom storage " \
+                      f"needs {_dotted(CUSTOM_STORAGE_VERSION)}"
+    if code != 0:
+        return False, f"cuGetProcAddress(cuCheckpointOperationComplete) failed (CUresult {code})"
+    if status.value != 0 or not fn.value:
+        return False, PROC_ADDRESS.get(status.value, f"cuGetProcAddress status {status.value}")
+    return True, f"cuCheckpointOperationComplete found for CUDA {_dotted(CUSTOM_STORAGE_VERSION)}"
+
+
+def _dotted(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
 class CallFailed(Exception):
     def __init__(self, code: int):
         self.code = code
@@ -189,7 +223,9 @@ def main(argv: list[str]) -> int:
         return 1
     version = ctypes.c_int(0)
     driver.lib.cuDriverGetVersion(ctypes.byref(version))
-    say({"ready": True, "cuda_version": version.value, "pid": os.getpid()})
+    storage, why = custom_storage(driver.lib, version.value)
+    say({"ready": True, "cuda_version": version.value, "pid": os.getpid(),
+         "custom_storage": storage, "custom_storage_why": why})
 
     def serve(req: dict) -> None:
         try:
