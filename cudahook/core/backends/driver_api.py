@@ -37,6 +37,9 @@ from .cli import driver_version
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "driver_helper.py")
 MIN_MAJOR = 570  # cuCheckpointProcess* first shipped with R570 (CUDA 12.8)
+# Custom storage copies GPU memory in chunks of this size, each its own file
+# with its own digest, through two pinned staging buffers per GPU.
+STORAGE_CHUNK = 16 << 20
 
 
 def features_for(version: str) -> Features:
@@ -347,6 +350,37 @@ class DriverAPI:
     def unlock(self, pid: int) -> None:
         self._need("actions", "cuCheckpointProcessUnlock (driver R570 or newer)")
         self._call(pid, "unlock", {})
+
+    def _need_storage(self, pid: int, action: str) -> None:
+        features = self.probe()
+        if not features.custom_storage:
+            raise ToolError(pid, action, None,
+                            f"custom storage unavailable: {features.custom_storage_why}")
+
+    def checkpoint_to_storage(self, pid: int, directory: str, chunk: int = STORAGE_CHUNK) -> dict:
+        """Checkpoint a locked process's GPU memory into `directory` (new; CUDA
+        13.4+ custom storage) instead of its host memory: chunks, each with a
+        digest, fsynced before the driver releases the memory. The process
+        ends checkpointed; after a failure past the driver's checkpoint call
+        it stays checkpointing (the API has no abort)."""
+        self._need_storage(pid, "checkpoint")
+        return self._call(pid, "storage-checkpoint", {"dir": directory, "chunk": chunk})  # type: ignore[return-value]
+
+    def restore_from_storage(self, pid: int, directory: str,
+                             device_map: dict[str, str] | None = None) -> None:
+        """Restore a process's GPU memory from `directory`, every chunk checked
+        against its digest before the process is touched and again on its way
+        in. It ends locked (unlock is the caller's); a bad image leaves it
+        checkpointed, a chunk that changes meanwhile leaves it locked."""
+        self._need_storage(pid, "restore")
+        request: dict = {"dir": directory}
+        if device_map:
+            try:
+                request["pairs"] = [[uuid_hex(old), uuid_hex(new)]
+                                    for old, new in device_map.items()]
+            except ValueError as exc:
+                raise ToolError(pid, "restore", None, str(exc)) from None
+        self._call(pid, "storage-restore", request)
 
     def toggle(self, pid: int) -> None:
         """cuda-checkpoint --toggle's meaning: lock+checkpoint or restore+unlock."""
