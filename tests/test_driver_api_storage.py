@@ -226,3 +226,37 @@ def test_custom_storage_is_refused_where_the_driver_lacks_it(make_node, tmp_path
         api.unlock(pid)
     finally:
         api.close()
+
+
+@pytest.mark.parametrize(("times", "outcome", "state"), [
+    (1, "its GPU memory was put back: left locked", "locked"),
+    (2, "putting its GPU memory back failed (unknown error (CUDA_ERROR_UNKNOWN)): left "
+        "checkpointing", "checkpointing"),
+])
+def test_a_storage_checkpoint_that_fails_before_completion_puts_the_memory_back(
+        make_node, tmp_path, times: int, outcome: str, state: str) -> None:  # type: ignore[no-untyped-def]
+    """The API has no abort: the helper completes through host memory and
+    restores the process from it, so the rollback can unlock it intact."""
+    import re
+
+    from cudahook.platform.errors import ToolError
+
+    node = storage_node(make_node)
+    node.spawn("w", mib=4, check_after_restore=True)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    api = storage_api(node)
+    image = tmp_path / "image"
+    try:
+        api.lock(pid, 0)
+        node.lab.fault("checkpoint-complete", "error", code=999, times=times)
+        with pytest.raises(ToolError, match=re.escape(outcome)):
+            api.checkpoint_to_storage(pid, str(image), chunk=1 << 20)
+        assert state_of(node, pid) == state
+        assert not image.exists()  # what it wrote is gone with it
+        if state == "locked":
+            api.unlock(pid)
+    finally:
+        api.close()
+    if state == "locked":
+        st = healthy_after_restore(node, "w")
+        assert st["intact"] and not st["errors"]

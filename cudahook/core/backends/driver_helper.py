@@ -228,6 +228,7 @@ class Storage:
     """
 
     def __init__(self, driver: Driver):
+        self.driver = driver
         lib = self.lib = driver.lib
         cu, ptr, size = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
         for name, args in (
@@ -272,18 +273,67 @@ class Storage:
             args = CUcheckpointCheckpointArgs()
             args.customStorageInfo_out = ctypes.pointer(info)
             _check(self.lib.cuCheckpointProcessCheckpoint(pid, ctypes.byref(args)))
-            # The process is CHECKPOINTING now, and the API has no abort: a
-            # failure from here on leaves it so, its memory still on the GPU.
             ranges = [info.contents.perDeviceData[i] for i in range(info.contents.deviceCount)]
-            manifest = {"format": 1, "digest": DIGEST, "chunk": chunk, "ranges": [
-                {"size": r.size, "chunks": self._copy_out(r, dirfd, i, chunk)}
-                for i, r in enumerate(ranges)]}
-            _write(dirfd, MANIFEST, json.dumps(manifest).encode())
-            os.fsync(dirfd)
-            _check(self.lib.cuCheckpointOperationComplete(info.contents.handle))
+            try:
+                manifest = {"format": 1, "digest": DIGEST, "chunk": chunk, "ranges": [
+                    {"size": r.size, "chunks": self._copy_out(r, dirfd, i, chunk)}
+                    for i, r in enumerate(ranges)]}
+                _write(dirfd, MANIFEST, json.dumps(manifest).encode())
+                os.fsync(dirfd)
+                _check(self.lib.cuCheckpointOperationComplete(info.contents.handle))
+            except (CallFailed, OSError) as exc:
+                # The process is CHECKPOINTING and the API has no abort: its
+                # memory is put back through host memory (see _put_back).
+                raise PutBack(f"{_what(self, exc)}; {self._put_back(pid, info.contents, ranges)}"
+                              ) from exc
+        except BaseException:
+            _remove_own(dirfd, directory)
+            raise
         finally:
             os.close(dirfd)
         return {"ranges": len(ranges), "bytes": sum(r.size for r in ranges)}
+
+    def _put_back(self, pid: int, info: CUcheckpointCustomStorageInfo,
+                  ranges: list[CUcheckpointCustomStoragePerDeviceData]) -> str:
+        """Undo a custom-storage checkpoint that failed before completion,
+        with the API's own calls: each range into anonymous host memory of
+        this helper, complete (memory released), a custom-storage restore from
+        that memory, complete. The process ends LOCKED with its memory as it
+        was (the rollback unlocks it); what happened, in words."""
+        import mmap
+
+        lib = self.lib
+        held = []
+        try:
+            for r in ranges:
+                m = mmap.mmap(-1, max(r.size, 1))
+                held.append(m)
+                addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+                _check(lib.cuMemcpyDtoHAsync_v2(addr, r.devPtr, r.size, r.stream))
+                _check(lib.cuStreamSynchronize(r.stream))
+            _check(lib.cuCheckpointOperationComplete(info.handle))
+        except (CallFailed, OSError) as exc:
+            return f"putting its GPU memory back failed ({_what(self, exc)}): left checkpointing"
+        try:
+            back = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
+            args = CUcheckpointRestoreArgs()
+            args.customStorageInfo_out = ctypes.pointer(back)
+            _check(lib.cuCheckpointProcessRestore(pid, ctypes.byref(args)))
+            mapped = [back.contents.perDeviceData[i] for i in range(back.contents.deviceCount)]
+            if [r.size for r in mapped] == [r.size for r in ranges]:
+                for r, m in zip(mapped, held, strict=True):
+                    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+                    _check(lib.cuMemcpyHtoDAsync_v2(r.devPtr, addr, r.size, r.stream))
+                    _check(lib.cuStreamSynchronize(r.stream))
+            _check(lib.cuCheckpointOperationComplete(back.contents.handle))
+            if [r.size for r in mapped] != [r.size for r in ranges]:
+                return "the driver mapped other ranges to put it back: left locked, memory lost"
+        except (CallFailed, OSError) as exc:
+            return f"putting its GPU memory back failed ({_what(self, exc)}): left checkpointed"
+        finally:
+            for m in held:
+                m.close()
+        return "its GPU memory was put back: left locked"
 
     def _copy_out(self, r: CUcheckpointCustomStoragePerDeviceData, dirfd: int, index: int,
                   chunk: int) -> list[str]:
@@ -367,6 +417,30 @@ class Storage:
         finally:
             for b in bufs:
                 lib.cuMemFreeHost(b)
+
+
+class PutBack(Exception):
+    """A custom-storage checkpoint failed after the driver's call; the text
+    says whether the process's memory was put back."""
+
+
+def _what(storage: Storage, exc: BaseException) -> str:
+    if isinstance(exc, CallFailed):
+        name, text = storage.driver.describe(exc.code)
+        return f"{text} ({name})"
+    return str(exc)
+
+
+def _remove_own(dirfd: int, directory: str) -> None:
+    """Remove what a failed checkpoint wrote: the directory it created, and
+    the chunk files and manifest in it (nothing else is there to remove)."""
+    for name in os.listdir(dirfd):
+        if name == MANIFEST or name.endswith(".chunk"):
+            os.unlink(name, dir_fd=dirfd)
+    import contextlib
+
+    with contextlib.suppress(OSError):  # something else appeared in it: its owner's
+        os.rmdir(directory)
 
 
 def _digest(data: object = b"") -> object:
@@ -520,7 +594,7 @@ def main(argv: list[str]) -> int:
         except CallFailed as exc:
             name, text = driver.describe(exc.code)
             say({"id": req["id"], "ok": False, "code": exc.code, "name": name, "error": text})
-        except (Refused, OSError) as exc:  # a custom-storage image or its directory
+        except (Refused, PutBack, OSError) as exc:  # custom storage: the image, or a put-back
             say({"id": req["id"], "ok": False, "code": 1, "name": "custom storage",
                  "error": str(exc)})
         except (KeyError, TypeError, ValueError) as exc:

@@ -11,7 +11,14 @@
  * branch, the attach latency (paid once per cuInit, not per call), the
  * per-call cost and CUDA 13.4 transient states. Copy bandwidth is the
  * workload runtime's and the GPU service's business, as for the tool.
- * Faults injected in SIM/faults.json for the tool apply here too.
+ * Faults injected in SIM/faults.json for the tool apply here too (and to
+ * cuCheckpointOperationComplete as "checkpoint-complete"/"restore-complete").
+ *
+ * With "cuda_version" 13040+ in sim.json it is a CUDA 13.4+ driver with
+ * custom storage: the caller's retained primary contexts are its own
+ * connections to the GPU service, which maps the target's memory onto the
+ * caller's GPU as one range and paces the caller's copies over the link.
+ * Declarations: fake_cuda.h (re-typed from cuda.h, checked against it).
  *
  * SIM is $CUDA_SIM_DIR, else the parent of the directory this library was
  * loaded from (a node keeps it at SIM/lib/libcuda.so.1).
