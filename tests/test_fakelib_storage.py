@@ -146,3 +146,29 @@ def test_a_storage_checkpoint_is_not_restored_from_host_memory(make_node, tmp_pa
     assert r.returncode == 1 and "invalid argument" in r.stderr
     got = subprocess.run([tool, "--get-state", "--pid", str(pid)], capture_output=True, text=True)
     assert got.stdout == "checkpointed\n"
+
+
+PROBE = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+get = lib.cuGetProcAddress_v2
+get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                ctypes.POINTER(ctypes.c_int)]
+for version in (13000, 13040):
+    fn, status = ctypes.c_void_p(), ctypes.c_int(-1)
+    rc = get(b"cuCheckpointOperationComplete", ctypes.byref(fn), version, 0, ctypes.byref(status))
+    print(version, rc, status.value, bool(fn.value))
+"""
+
+
+def test_cu_get_proc_address_gives_operation_complete_from_cuda_13_4_only(make_node) -> None:  # type: ignore[no-untyped-def]
+    def probe(node) -> list[str]:  # type: ignore[no-untyped-def]
+        return subprocess.run([sys.executable, "-c", PROBE, str(node.lab.libcuda)],
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+
+    old = make_node("old", driver=590)
+    # CUDA 13.1: not known at 13.0; asking for 13.4 is newer than the driver.
+    assert probe(old) == ["13000 0 1 False", "13040 1 -1 False"]
+    new = storage_node(make_node, name="new")
+    # CUDA 13.4: found at 13.4; asked for at 13.0, the version is not enough.
+    assert probe(new) == ["13000 0 2 False", "13040 0 0 True"]
