@@ -32,6 +32,24 @@ class Check:
     hint: str = ""
 
 
+def _gpu_memory(ctx: Context) -> Check:
+    """Where a checkpoint would put the containers' GPU memory, and why."""
+    from cudahook.core.backends import gpu_memory_path, probe
+
+    try:
+        path, why = gpu_memory_path(ctx.settings.gpu_memory, probe(ctx.backend))
+    except Exception as exc:
+        return Check("gpu memory", "fail", str(exc))
+    if path is None:
+        return Check("gpu memory", "fail", why, "set gpu_memory: host (or auto) in "
+                     "/etc/cudahook/config.yaml, or use a CUDA 13.4+ driver with backend: "
+                     "driver-api")
+    if path == "storage":
+        return Check("gpu memory", "warn", f"storage ({why})", "the checkpoint flow does not "
+                     "copy to custom storage yet: containers still get host memory")
+    return Check("gpu memory", "ok", f"host ({why})")
+
+
 def _version(text: str) -> tuple[int, ...]:
     m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
     return tuple(int(x) for x in m.groups() if x is not None) if m else ()
@@ -102,6 +120,7 @@ def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
     except Exception as exc:
         checks.append(Check("backend", "fail", str(exc)))
 
+    checks.append(_gpu_memory(ctx))
     checks += _gpu_checks(ctx)
 
     checks += _registrations(j)

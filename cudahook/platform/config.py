@@ -35,6 +35,12 @@ class Settings(Record, frozen=True):
     # the driver is R570+, else the CLI). One phase never mixes them.
     backend: str = "auto"
     libcuda: str = "libcuda.so.1"
+    # Where a checkpoint puts the containers' GPU memory: "host" (the driver
+    # copies it into each process's host memory, which CRIU dumps), "storage"
+    # (CUDA 13.4+ custom storage: the driver-API helper copies it into the
+    # image directory itself) or "auto" (storage where the driver has it).
+    # `cudahook features` and doctor say which a container would get, and why.
+    gpu_memory: str = "host"
     cuda_checkpoint: str = "/usr/bin/cuda-checkpoint"
     nvidia_smi: str = "/usr/bin/nvidia-smi"
     # The installed driver's version (features, manifest, same-branch check);

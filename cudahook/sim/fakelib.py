@@ -1,6 +1,6 @@
 """Build and install the fake `libcuda.so.1` (libcuda/fake_libcuda.c).
 
-The library is compiled with the system C compiler, once per source
+The library (and its header, fake_cuda.h) is compiled with the system C compiler, once per source
 version, into a cache beside the checkout (`.cache/libcuda/<digest>/`, or
 `$CUDA_SIM_LIB_CACHE`), and a simulated node gets a copy at
 `ROOT/lib/libcuda.so.1`: the library finds the node from its own path.
@@ -16,6 +16,9 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "libcuda" / "fake_libcuda.c"
+# cuda.h's declarations as the library implements them (tests/test_cuda_abi.py
+# holds them against the real header).
+HEADER = SOURCE.with_name("fake_cuda.h")
 SONAME = "libcuda.so.1"
 CACHE_ENV = "CUDA_SIM_LIB_CACHE"
 FLAGS = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-format-truncation",
@@ -38,7 +41,8 @@ def _cache_root() -> Path:
 
 def build(out_dir: str | os.PathLike[str] | None = None, timeout: float = 120) -> Path:
     """The built library (built now unless this source version already is)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + HEADER.read_bytes()
+                            + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = Path(out_dir) if out_dir else _cache_root() / digest
     lib = target / SONAME
     if lib.exists():

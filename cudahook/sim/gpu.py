@@ -31,6 +31,7 @@ import hashlib
 import json
 import mmap
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -42,6 +43,7 @@ from typing import Any
 
 from .protocol import (
     CUDA_ERRORS,
+    INVALID_CONTEXT,
     INVALID_DEVICE,
     INVALID_VALUE,
     OUT_OF_MEMORY,
@@ -75,6 +77,19 @@ class Client:
     fds: dict[int, int] = field(default_factory=dict)  # handle -> the memfd
 
 
+@dataclass
+class Mapping:
+    """A process's device memory mapped onto a checkpointer's GPU (CUDA 13.4+
+    custom storage): one range, the process's allocations end to end."""
+
+    fd: int
+    size: int
+    device: Device
+    owner: Client  # the process whose memory it is
+    sizes: list[int]
+    charged: int = 0  # device memory charged for it (a restore's range)
+
+
 def memfd(size: int, name: str = "cudahook-sim-device-memory") -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
@@ -101,6 +116,7 @@ class GpuService:
         self.by_uuid = {d.uuid: d for d in self.devices}
         self.lock = threading.Lock()
         self.clients: dict[int, Client] = {}
+        self.mappings: dict[str, Mapping] = {}
         self.next_handle = 1
 
     # -- per-connection ----------------------------------------------------
@@ -157,6 +173,17 @@ class GpuService:
             if client:
                 for handle in list(client.buffers):
                     self._drop(client, handle)
+                for token in [t for t, m in self.mappings.items() if m.owner is client]:
+                    self._unmap(token)
+
+    def _unmap(self, token: str) -> None:
+        """Forget a custom-storage range (self.lock held): its memfd closes here;
+        a checkpointer that still maps it keeps only its own view."""
+        m = self.mappings.pop(token)
+        m.device.used -= m.charged
+        if m.owner.pid in m.device.users:
+            m.device.users[m.owner.pid] -= m.charged
+        os.close(m.fd)
 
     @staticmethod
     def _drop(client: Client, handle: int) -> Any:
@@ -263,6 +290,8 @@ class GpuService:
             # The process locked, nothing writes the pages while both hold them.
             return {"link_until": until, "size": len(buf),
                     "_fd": os.dup(client.fds[int(msg["handle"])])}, b""
+        if op in ("map_out", "map_in", "map", "link", "adopt", "unmap"):
+            return self._storage(client, op, msg), b""
         if op == "digest":
             return {"sha256": hashlib.sha256(self._buffer(client, msg)).hexdigest()}, b""
         if op == "incr":
@@ -281,6 +310,72 @@ class GpuService:
                     self._uncharge(client, len(buf))
             return {}, b""
         raise CudaError(INVALID_VALUE, f"unknown op {op!r}")
+
+    def _storage(self, client: Client, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """Custom storage (CUDA 13.4+). The checkpointed process gathers its
+        allocations into one range (`map_out`) or has an empty one made on
+        its new GPU (`map_in`, charged as its device memory); the
+        checkpointer's context maps it (`map`: the memfd, on that GPU only)
+        and pays each copy's time on the link (`link`); a restore's process
+        then takes its allocations back out of the range (`adopt`)."""
+        if op == "link":
+            return {"link_until": self._reserve(self._device(client), int(msg["size"]))}
+        if op in ("map_out", "map_in"):
+            dev = self._device(client)
+            if op == "map_out":
+                bufs = [self._buffer(client, {"handle": h}) for h in msg["handles"]]
+                sizes = [len(b) for b in bufs]
+            else:
+                sizes = [int(n) for n in msg["sizes"]]
+            total = sum(sizes)
+            if op == "map_in":
+                with self.lock:
+                    self._charge(client, total)
+            try:
+                fd = memfd(total)
+            except OSError as exc:
+                if op == "map_in":
+                    with self.lock:
+                        self._uncharge(client, total)
+                raise CudaError(OUT_OF_MEMORY, f"device memory: {exc}") from exc
+            if op == "map_out":
+                offset = 0
+                for buf in bufs:
+                    view, done = memoryview(buf), 0
+                    while done < len(view):
+                        done += os.pwrite(fd, view[done:], offset + done)
+                    offset += len(view)
+            token = secrets.token_hex(8)
+            with self.lock:
+                self.mappings[token] = Mapping(fd, total, dev, client, sizes,
+                                               total if op == "map_in" else 0)
+            return {"token": token, "size": total, "sizes": sizes}
+        with self.lock:
+            m = self.mappings.get(str(msg.get("token")))
+        if m is None:
+            raise CudaError(INVALID_VALUE, "no such mapping")
+        if op == "map":
+            if client.device is not m.device:
+                raise CudaError(INVALID_CONTEXT, "the range is on another GPU")
+            return {"size": m.size, "_fd": os.dup(m.fd)}
+        if m.owner is not client:
+            raise CudaError(INVALID_VALUE, "not this process's mapping")
+        if op == "adopt":
+            handles, offset = [], 0
+            whole = _mapping(m.fd, m.size)
+            try:
+                for size in m.sizes:
+                    handles.append(self._store(client, size, memoryview(whole)[offset:offset + size]))
+                    offset += size
+            finally:
+                if isinstance(whole, mmap.mmap):
+                    with contextlib.suppress(BufferError):
+                        whole.close()
+            with self.lock:
+                m.charged = 0  # now the allocations' own
+        with self.lock:
+            self._unmap(str(msg["token"]))
+        return {"handles": handles} if op == "adopt" else {}
 
     def _reserve(self, dev: Device, size: int, since: float = 0.0) -> float:
         """Queue a copy of `size` bytes on the GPU's link, starting no earlier

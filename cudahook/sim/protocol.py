@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 from .wire import (  # noqa: F401 - re-exported for the service and runtime
     CUDA_ERRORS,
     ILLEGAL_STATE,
+    INVALID_CONTEXT,
     INVALID_DEVICE,
     INVALID_VALUE,
     NO_DEVICE,

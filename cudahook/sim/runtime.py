@@ -9,7 +9,13 @@ It behaves like the real driver's checkpoint support as seen from outside:
 - checkpoint copies device memory into the process's own memory, then drops
   the GPU connection and every device node, so CRIU can dump it;
 - restore re-acquires a GPU (possibly another one, by device map), copies the
-  memory back and leaves the process locked; unlock lets GPU work go on.
+  memory back and leaves the process locked; unlock lets GPU work go on;
+- with custom storage (CUDA 13.4+) a checkpoint hands its device memory to
+  the checkpointer's GPU as one range and stays `checkpointing` until the
+  checkpointer completes it (memory released, `checkpointed`); a restore
+  gets an empty range on its GPU, stays `restoring` while the checkpointer
+  copies in, and takes its allocations from the range at completion
+  (`locked`). Its host memory then never holds the device memory.
 A GPU connection that breaks while the process is not checkpointed means the
 device memory is gone: the runtime reports it lost, as a real process would
 see CUDA_ERROR_... on its next call.
@@ -85,6 +91,10 @@ class SimCuda:
         # name -> a memfd with the buffer's content while checkpointed: host
         # memory of this process (CRIU dumps and restores it with us)
         self.host_copy: dict[str, int] = {}
+        # Checkpointed to custom storage: the allocations' names and sizes
+        # (the content is the checkpointer's); None after a host checkpoint.
+        self.layout: list[tuple[str, int]] | None = None
+        self.storage: dict[str, Any] | None = None  # the custom-storage operation open
         self.lost: str | None = None
         self.restore_tid = 0
         self.restores = 0  # restores done: a workload may check its memory after each
@@ -246,10 +256,16 @@ class SimCuda:
             return {"state": self.state}
         if op == "get-restore-tid":
             return {"tid": self.restore_tid}
-        if op in ("lock", "checkpoint", "restore", "unlock"):
+        if op in ("lock", "checkpoint", "restore", "unlock", "storage-complete", "storage-cancel"):
             with self._job_turn():
                 if op == "lock":
                     self.lock(int(msg.get("timeout_ms", 0)))
+                elif op in ("checkpoint", "restore") and msg.get("storage"):
+                    return self.begin_storage(op, msg.get("device_map") or {})
+                elif op == "storage-complete":
+                    self.complete_storage(str(msg.get("token")))
+                elif op == "storage-cancel":
+                    self.cancel_storage(str(msg.get("token")))
                 elif op == "checkpoint":
                     self.checkpoint(bool(msg.get("transient")))
                 elif op == "restore":
@@ -351,14 +367,13 @@ class SimCuda:
     def restore(self, device_map: dict[str, str], transient: bool = False) -> None:
         during = RESTORING if transient else None
         self._begin(CHECKPOINTED, during)
-        target = self.gpu_uuid
-        if device_map:
-            try:
-                self._check_map(device_map)
-            except CudaError:
-                self._undo(CHECKPOINTED, during)
-                raise
-            target = device_map[self.gpu_uuid]
+        try:
+            if self.layout is not None:
+                raise CudaError(INVALID_VALUE)  # checkpointed to custom storage: restore from it
+            target = self._target(device_map)
+        except CudaError:
+            self._undo(CHECKPOINTED, during)
+            raise
         old_uuid = self.gpu_uuid
         try:
             self._acquire(target)
@@ -383,6 +398,97 @@ class SimCuda:
             self.visible = [device_map.get(u, u) for u in self.visible]
         with self.cond:
             self.state = LOCKED
+
+    def _target(self, device_map: dict[str, str]) -> str:
+        """The GPU a restore puts the process on."""
+        if not device_map:
+            return self.gpu_uuid
+        self._check_map(device_map)
+        return device_map[self.gpu_uuid]
+
+    # -- custom storage (CUDA 13.4+) --------------------------------------------
+
+    def begin_storage(self, op: str, device_map: dict[str, str]) -> dict[str, Any]:
+        """A checkpoint or restore through the checkpointer's custom storage:
+        the range's token and size, for the checkpointer to map."""
+        need, during = (LOCKED, CHECKPOINTING) if op == "checkpoint" else (CHECKPOINTED, RESTORING)
+        self._begin(need, during)
+        old_uuid = self.gpu_uuid
+        try:
+            if op == "checkpoint":
+                if self.chan is None:
+                    raise GpuLost(self.lost or "no GPU context")
+                names = [n for n in self.buffers if n not in self.vmm]  # VMM: the shim's
+                reply, _ = self._call({"op": "map_out",
+                                       "handles": [self.buffers[n] for n in names]})
+                layout = list(zip(names, reply["sizes"], strict=True))
+            else:
+                if self.layout is None:
+                    raise CudaError(INVALID_VALUE)  # checkpointed to host memory: restore from it
+                self._acquire(self._target(device_map))
+                layout = self.layout
+                reply, _ = self._call({"op": "map_in", "sizes": [n for _, n in layout]})
+        except (GpuLost, CudaError, OSError) as exc:
+            if op == "restore":
+                self._release()
+                self.gpu_uuid = old_uuid
+            self._undo(need, during)
+            if isinstance(exc, CudaError):
+                raise
+            raise CudaError(UNKNOWN, str(exc)) from exc
+        self.storage = {"op": op, "token": str(reply["token"]), "layout": layout,
+                        "old_uuid": old_uuid, "device_map": device_map}
+        return {"token": reply["token"], "size": reply["size"]}
+
+    def _open_storage(self, token: str) -> dict[str, Any]:
+        if self.storage is None or self.storage["token"] != token:
+            raise CudaError(INVALID_VALUE)  # no such custom-storage operation
+        op, self.storage = self.storage, None
+        return op
+
+    def complete_storage(self, token: str) -> None:
+        """cuCheckpointOperationComplete, once the checkpointer's copies are done."""
+        op = self._open_storage(token)
+        if op["op"] == "checkpoint":
+            self.layout = op["layout"]
+            self.vmm_pending |= self.vmm & set(self.buffers)
+            self.buffers = {}
+            self._release()  # the service frees our device memory and the range
+            with self.cond:
+                self.state = CHECKPOINTED
+            return
+        try:
+            reply, _ = self._call({"op": "adopt", "token": token})
+        except (GpuLost, CudaError) as exc:
+            # What was copied in is gone with the GPU connection; the
+            # checkpointer still has it and may restore again.
+            self._release()
+            self.gpu_uuid = op["old_uuid"]
+            self._undo(CHECKPOINTED, RESTORING)
+            if isinstance(exc, CudaError):
+                raise
+            raise CudaError(UNKNOWN, str(exc)) from exc
+        names = [name for name, _ in op["layout"]]
+        self.buffers.update(zip(names, (int(h) for h in reply["handles"]), strict=True))
+        self.layout = None
+        self.restores += 1
+        if op["device_map"]:
+            self.visible = [op["device_map"].get(u, u) for u in self.visible]
+        with self.cond:
+            self.state = LOCKED
+
+    def cancel_storage(self, token: str) -> None:
+        """The driver's own undo when a custom-storage call fails before it
+        returns (the API has no abort): back to the state before it."""
+        op = self._open_storage(token)
+        if op["op"] == "checkpoint":
+            with contextlib.suppress(GpuLost, CudaError):
+                self._call({"op": "unmap", "token": token})
+            self._undo(LOCKED, CHECKPOINTING)
+        else:
+            self._release()
+            self.gpu_uuid = op["old_uuid"]
+            self._undo(CHECKPOINTED, RESTORING)
 
     def _check_map(self, device_map: dict[str, str]) -> None:
         """The driver's rules for --device-map: every GPU CUDA sees in the

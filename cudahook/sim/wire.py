@@ -19,6 +19,7 @@ CUDA_ERRORS = {
     3: "initialization error",
     100: "no CUDA-capable device is detected",
     101: "invalid device ordinal",
+    201: "invalid device context",
     401: "the operation cannot be performed in the present state",
     801: "operation not supported",
     909: "the operation timed out",
@@ -26,6 +27,7 @@ CUDA_ERRORS = {
 }
 INVALID_VALUE, OUT_OF_MEMORY, NOT_INITIALIZED = 1, 2, 3
 NO_DEVICE, INVALID_DEVICE, ILLEGAL_STATE = 100, 101, 401
+INVALID_CONTEXT = 201
 NOT_SUPPORTED, TIMEOUT, UNKNOWN = 801, 909, 999
 
 

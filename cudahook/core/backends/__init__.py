@@ -72,6 +72,10 @@ class Features(Record, frozen=True):
     restore_tid: bool = False  # R555+
     device_map: bool = False  # R580+
     launch_job: bool = False  # R590+
+    # CUDA 13.4+ custom storage (cuCheckpointOperationComplete, driver API
+    # only), as the driver itself answers cuGetProcAddress; why not, if not.
+    custom_storage: bool = False
+    custom_storage_why: str = "not asked"
 
     @property
     def major(self) -> int:
@@ -80,8 +84,37 @@ class Features(Record, frozen=True):
 
     def describe(self) -> str:
         names = [n for n in ("toggle", "actions", "get_state", "restore_tid", "device_map",
-                             "launch_job") if getattr(self, n)]
+                             "launch_job", "custom_storage") if getattr(self, n)]
         return f"{self.version or 'unknown version'}: {', '.join(names) or 'nothing'}"
+
+
+def probe(backend: Backend) -> Features:
+    """The backend's features, with what only the driver can tell (custom
+    storage): the driver-API backend asks it (one attach); the CLI cannot."""
+    ask = getattr(backend, "probe", None)
+    if ask is not None:
+        return ask()  # type: ignore[no-any-return]
+    return backend.features.replace(
+        custom_storage=False,
+        custom_storage_why="custom storage is a driver-API call; the cuda-checkpoint tool "
+                           f"copies GPU memory into host memory ({backend.why})")
+
+
+def gpu_memory_path(setting: str, features: Features) -> tuple[str | None, str]:
+    """Where a checkpoint would put a container's GPU memory under the
+    `gpu_memory` setting: "host", "storage", or None when the setting asks
+    for storage the driver cannot give (a checkpoint is refused); and why."""
+    have, why = features.custom_storage, features.custom_storage_why
+    if setting == "storage":
+        if have:
+            return "storage", f"gpu_memory: storage, and the driver has custom storage ({why})"
+        return None, f"gpu_memory: storage, but custom storage is unavailable: {why}"
+    if setting == "auto":
+        if have:
+            return "storage", f"gpu_memory: auto, and the driver has custom storage ({why})"
+        return "host", f"gpu_memory: auto, custom storage unavailable: {why}"
+    return "host", "gpu_memory: host in the configuration" + (
+        " (custom storage is available: gpu_memory: auto or storage would use it)" if have else "")
 
 
 def make_backend(settings: object, host: object) -> Backend:

@@ -37,6 +37,9 @@ from .cli import driver_version
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "driver_helper.py")
 MIN_MAJOR = 570  # cuCheckpointProcess* first shipped with R570 (CUDA 12.8)
+# Custom storage copies GPU memory in chunks of this size, each its own file
+# with its own digest, through two pinned staging buffers per GPU.
+STORAGE_CHUNK = 16 << 20
 
 
 def features_for(version: str) -> Features:
@@ -245,6 +248,22 @@ class DriverAPI:
                 self._features = features_for(driver_version(self.host, self.settings))
             return self._features
 
+    def probe(self) -> Features:
+        """The features, with custom storage as the driver answers it: the
+        helper asks at start-up (cuGetProcAddress), so this costs one attach."""
+        features = self.features
+        if not features.actions:
+            return features.replace(custom_storage=False, custom_storage_why=(
+                f"driver {features.version or '(unknown version)'} has no checkpoint driver API"))
+        try:
+            hello = self._helper_for(0, "probe").hello
+        except (ToolError, EnvironmentProblem) as exc:
+            return features.replace(custom_storage=False,
+                                    custom_storage_why=f"the driver could not be asked: {exc}")
+        return features.replace(custom_storage=hello.get("custom_storage") is True,
+                                custom_storage_why=str(hello.get("custom_storage_why") or
+                                                       "the driver helper did not say"))
+
     def _need(self, flag: str, what: str) -> None:
         if not getattr(self.features, flag):
             raise EnvironmentProblem(
@@ -331,6 +350,37 @@ class DriverAPI:
     def unlock(self, pid: int) -> None:
         self._need("actions", "cuCheckpointProcessUnlock (driver R570 or newer)")
         self._call(pid, "unlock", {})
+
+    def _need_storage(self, pid: int, action: str) -> None:
+        features = self.probe()
+        if not features.custom_storage:
+            raise ToolError(pid, action, None,
+                            f"custom storage unavailable: {features.custom_storage_why}")
+
+    def checkpoint_to_storage(self, pid: int, directory: str, chunk: int = STORAGE_CHUNK) -> dict:
+        """Checkpoint a locked process's GPU memory into `directory` (new; CUDA
+        13.4+ custom storage) instead of its host memory: chunks, each with a
+        digest, fsynced before the driver releases the memory. The process
+        ends checkpointed; after a failure past the driver's checkpoint call
+        it stays checkpointing (the API has no abort)."""
+        self._need_storage(pid, "checkpoint")
+        return self._call(pid, "storage-checkpoint", {"dir": directory, "chunk": chunk})  # type: ignore[return-value]
+
+    def restore_from_storage(self, pid: int, directory: str,
+                             device_map: dict[str, str] | None = None) -> None:
+        """Restore a process's GPU memory from `directory`, every chunk checked
+        against its digest before the process is touched and again on its way
+        in. It ends locked (unlock is the caller's); a bad image leaves it
+        checkpointed, a chunk that changes meanwhile leaves it locked."""
+        self._need_storage(pid, "restore")
+        request: dict = {"dir": directory}
+        if device_map:
+            try:
+                request["pairs"] = [[uuid_hex(old), uuid_hex(new)]
+                                    for old, new in device_map.items()]
+            except ValueError as exc:
+                raise ToolError(pid, "restore", None, str(exc)) from exc
+        self._call(pid, "storage-restore", request)
 
     def toggle(self, pid: int) -> None:
         """cuda-checkpoint --toggle's meaning: lock+checkpoint or restore+unlock."""

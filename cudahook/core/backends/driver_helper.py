@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import stat
 import sys
 import threading
 
@@ -32,14 +33,31 @@ STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed", 4: "checkpo
 cuuint64_t = ctypes.c_uint64
 
 
-# The argument structs exactly as cuda.h (CUDA 13.0) lays them out: 64 bytes each.
+# The argument structs exactly as cuda.h (CUDA 13.5) lays them out: 64 bytes
+# each (tests/test_cuda_abi.py holds the simulator's C copy to the header).
 class CUcheckpointLockArgs(ctypes.Structure):
     _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint),
                 ("reserved1", cuuint64_t * 7)]
 
 
+# Custom storage (CUDA 13.4+): the driver maps the target's GPU memory onto
+# the caller's GPUs, one range per GPU, and waits for the caller's copies.
+class CUcheckpointCustomStoragePerDeviceData(ctypes.Structure):
+    _fields_ = [("devPtr", ctypes.c_ulonglong), ("size", ctypes.c_size_t),
+                ("stream", ctypes.c_void_p)]
+
+
+class CUcheckpointCustomStorageInfo(ctypes.Structure):
+    _fields_ = [("handle", ctypes.c_void_p),
+                ("perDeviceData", ctypes.POINTER(CUcheckpointCustomStoragePerDeviceData)),
+                ("deviceCount", ctypes.c_uint)]
+
+
 class CUcheckpointCheckpointArgs(ctypes.Structure):
-    _fields_ = [("reserved", cuuint64_t * 8)]
+    # NULL customStorageInfo_out: GPU memory goes to the target's host memory.
+    _fields_ = [("customStorageInfo_out",
+                 ctypes.POINTER(ctypes.POINTER(CUcheckpointCustomStorageInfo))),
+                ("reserved", ctypes.c_char * 56)]
 
 
 class CUuuid(ctypes.Structure):
@@ -51,9 +69,13 @@ class CUcheckpointGpuPair(ctypes.Structure):
 
 
 class CUcheckpointRestoreArgs(ctypes.Structure):
+    # cuda.h's 40 reserved bytes at the end, here as 32 and 8.
     _fields_ = [("gpuPairs", ctypes.POINTER(CUcheckpointGpuPair)),
                 ("gpuPairsCount", ctypes.c_uint),
-                ("reserved", ctypes.c_char * (64 - 8 - 4 - 8)),
+                ("padding0", ctypes.c_uint),
+                ("customStorageInfo_out",
+                 ctypes.POINTER(ctypes.POINTER(CUcheckpointCustomStorageInfo))),
+                ("reserved", ctypes.c_char * 32),
                 ("reserved1", cuuint64_t)]
 
 
@@ -68,6 +90,7 @@ class Driver:
         if missing:
             raise LookupError(", ".join(missing))
         lib = self.lib
+        self._storage: Storage | None = None
         cu = ctypes.c_int  # CUresult
         for name, args in (
             ("cuInit", [ctypes.c_uint]),
@@ -85,6 +108,13 @@ class Driver:
             fn = getattr(lib, name)
             fn.argtypes = args
             fn.restype = cu
+
+    def storage(self) -> Storage:
+        """The custom-storage side (CUDA 13.4+), set up at its first use."""
+        with _storage_lock:
+            if self._storage is None:
+                self._storage = Storage(self)
+            return self._storage
 
     def describe(self, code: int) -> tuple[str, str]:
         """cuGetErrorName and cuGetErrorString for a CUresult."""
@@ -128,9 +158,395 @@ class Driver:
         elif op == "unlock":
             unlock = CUcheckpointUnlockArgs()
             _check(lib.cuCheckpointProcessUnlock(pid, ctypes.byref(unlock)))
+        elif op == "storage-checkpoint":
+            return self.storage().checkpoint(pid, str(req["dir"]), int(req["chunk"]))
+        elif op == "storage-restore":
+            self.storage().restore(pid, str(req["dir"]), req.get("pairs") or [])
         else:
             raise ValueError(f"unknown request {op!r}")
         return None
+
+
+# cuCheckpointOperationComplete first shipped with CUDA 13.4: asking
+# cuGetProcAddress for it at that version tells whether the driver has custom
+# storage (an older driver refuses a version newer than itself).
+CUSTOM_STORAGE_VERSION = 13040
+INVALID_VALUE = 1
+PROC_ADDRESS = {1: "the driver does not know cuCheckpointOperationComplete",
+                2: "the driver has cuCheckpointOperationComplete only for a newer CUDA version"}
+
+
+def custom_storage(lib: ctypes.CDLL, cuda_version: int) -> tuple[bool, str]:
+    """Whether the driver offers CUDA 13.4's custom storage; and why (not)."""
+    get = getattr(lib, "cuGetProcAddress_v2", None)
+    if get is None:
+        return False, "libcuda exports no cuGetProcAddress_v2 (a driver before CUDA 12.0)"
+    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, cuuint64_t,
+                    ctypes.POINTER(ctypes.c_int)]
+    get.restype = ctypes.c_int
+    fn, status = ctypes.c_void_p(), ctypes.c_int(-1)
+    code = get(b"cuCheckpointOperationComplete", ctypes.byref(fn), CUSTOM_STORAGE_VERSION, 0,
+               ctypes.byref(status))
+    if code == INVALID_VALUE and cuda_version < CUSTOM_STORAGE_VERSION:
+        return False, f"the driver supports CUDA {_dotted(cuda_version)}; custom storage " \
+                      f"needs {_dotted(CUSTOM_STORAGE_VERSION)}"
+    if code != 0:
+        return False, f"cuGetProcAddress(cuCheckpointOperationComplete) failed (CUresult {code})"
+    if status.value != 0 or not fn.value:
+        return False, PROC_ADDRESS.get(status.value, f"cuGetProcAddress status {status.value}")
+    return True, f"cuCheckpointOperationComplete found for CUDA {_dotted(CUSTOM_STORAGE_VERSION)}"
+
+
+def _dotted(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+_storage_lock = threading.Lock()
+DIGEST = "sha256"  # hashlib, standard library: this helper imports nothing else
+MANIFEST = "manifest.json"
+MANIFEST_MAX = 16 << 20
+CHUNK_MIN, CHUNK_MAX = 4096, 1 << 30
+MAX_RANGES = 64
+
+
+class Refused(Exception):
+    """A custom-storage image that is not what its manifest says."""
+
+
+class Storage:
+    """CUDA 13.4 custom storage: a process's GPU memory straight into files.
+
+    The driver maps the target's memory onto this process's GPUs, one range
+    per GPU; each range is copied out in fixed-size chunks through two pinned
+    staging buffers per GPU (one fills while the other is written), each
+    chunk to its own file with its digest in the manifest; the files, the
+    manifest and the directory are fsynced before cuCheckpointOperationComplete
+    lets the driver release the memory. A restore verifies every chunk
+    against the manifest before the process is touched, and again as it
+    copies each one in. The image directory comes from outside: opened
+    without following links, regular files only, sizes exact, manifest capped.
+    """
+
+    def __init__(self, driver: Driver):
+        self.driver = driver
+        lib = self.lib = driver.lib
+        cu, ptr, size = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+        for name, args in (
+            ("cuDeviceGetCount", [ctypes.POINTER(ctypes.c_int)]),
+            ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(ptr), ctypes.c_int]),
+            ("cuCtxSetCurrent", [ptr]),
+            ("cuStreamSynchronize", [ptr]),
+            ("cuMemHostAlloc", [ctypes.POINTER(ptr), size, ctypes.c_uint]),
+            ("cuMemFreeHost", [ptr]),
+            ("cuMemcpyDtoHAsync_v2", [ptr, ctypes.c_ulonglong, size, ptr]),
+            ("cuMemcpyHtoDAsync_v2", [ctypes.c_ulonglong, ptr, size, ptr]),
+            ("cuCheckpointOperationComplete", [ptr]),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, cu
+        # The driver requires the primary context of every GPU involved:
+        # retained once, for the helper's life (one phase).
+        count = ctypes.c_int()
+        _check(lib.cuDeviceGetCount(ctypes.byref(count)))
+        self.contexts = []
+        for dev in range(count.value):
+            ctx = ctypes.c_void_p()
+            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+            self.contexts.append(ctx)
+
+    def _current(self) -> None:
+        """Pinned allocations need a current context on this thread."""
+        if self.contexts:
+            _check(self.lib.cuCtxSetCurrent(self.contexts[0]))
+
+    def _pinned(self, size: int) -> ctypes.c_void_p:
+        p = ctypes.c_void_p()
+        _check(self.lib.cuMemHostAlloc(ctypes.byref(p), size, 0))
+        return p
+
+    def checkpoint(self, pid: int, directory: str, chunk: int) -> dict:
+        self._current()
+        os.mkdir(directory, 0o700)  # a new directory: never into someone else's
+        dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            info = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
+            args = CUcheckpointCheckpointArgs()
+            args.customStorageInfo_out = ctypes.pointer(info)
+            _check(self.lib.cuCheckpointProcessCheckpoint(pid, ctypes.byref(args)))
+            ranges = [info.contents.perDeviceData[i] for i in range(info.contents.deviceCount)]
+            try:
+                manifest = {"format": 1, "digest": DIGEST, "chunk": chunk, "ranges": [
+                    {"size": r.size, "chunks": self._copy_out(r, dirfd, i, chunk)}
+                    for i, r in enumerate(ranges)]}
+                _write(dirfd, MANIFEST, json.dumps(manifest).encode())
+                os.fsync(dirfd)
+                _check(self.lib.cuCheckpointOperationComplete(info.contents.handle))
+            except (CallFailed, OSError) as exc:
+                # The process is CHECKPOINTING and the API has no abort: its
+                # memory is put back through host memory (see _put_back).
+                raise PutBack(f"{_what(self, exc)}; {self._put_back(pid, info.contents, ranges)}"
+                              ) from exc
+        except BaseException:
+            _remove_own(dirfd, directory)
+            raise
+        finally:
+            os.close(dirfd)
+        return {"ranges": len(ranges), "bytes": sum(r.size for r in ranges)}
+
+    def _put_back(self, pid: int, info: CUcheckpointCustomStorageInfo,
+                  ranges: list[CUcheckpointCustomStoragePerDeviceData]) -> str:
+        """Undo a custom-storage checkpoint that failed before completion,
+        with the API's own calls: each range into anonymous host memory of
+        this helper, complete (memory released), a custom-storage restore from
+        that memory, complete. The process ends LOCKED with its memory as it
+        was (the rollback unlocks it); what happened, in words."""
+        import mmap
+
+        lib = self.lib
+        held = []
+        try:
+            for r in ranges:
+                m = mmap.mmap(-1, max(r.size, 1))
+                held.append(m)
+                addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+                _check(lib.cuMemcpyDtoHAsync_v2(addr, r.devPtr, r.size, r.stream))
+                _check(lib.cuStreamSynchronize(r.stream))
+            _check(lib.cuCheckpointOperationComplete(info.handle))
+        except (CallFailed, OSError) as exc:
+            return f"putting its GPU memory back failed ({_what(self, exc)}): left checkpointing"
+        try:
+            back = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
+            args = CUcheckpointRestoreArgs()
+            args.customStorageInfo_out = ctypes.pointer(back)
+            _check(lib.cuCheckpointProcessRestore(pid, ctypes.byref(args)))
+            mapped = [back.contents.perDeviceData[i] for i in range(back.contents.deviceCount)]
+            if [r.size for r in mapped] == [r.size for r in ranges]:
+                for r, m in zip(mapped, held, strict=True):
+                    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+                    _check(lib.cuMemcpyHtoDAsync_v2(r.devPtr, addr, r.size, r.stream))
+                    _check(lib.cuStreamSynchronize(r.stream))
+            _check(lib.cuCheckpointOperationComplete(back.contents.handle))
+            if [r.size for r in mapped] != [r.size for r in ranges]:
+                return "the driver mapped other ranges to put it back: left locked, memory lost"
+        except (CallFailed, OSError) as exc:
+            return f"putting its GPU memory back failed ({_what(self, exc)}): left checkpointed"
+        finally:
+            for m in held:
+                m.close()
+        return "its GPU memory was put back: left locked"
+
+    def _copy_out(self, r: CUcheckpointCustomStoragePerDeviceData, dirfd: int, index: int,
+                  chunk: int) -> list[str]:
+        lib, count = self.lib, -(-r.size // chunk)
+        bufs = [self._pinned(chunk) for _ in range(2 if count > 1 else 1)]
+        digests: list[str] = []
+        try:
+            def enqueue(k: int) -> None:
+                n = min(chunk, r.size - k * chunk)
+                _check(lib.cuMemcpyDtoHAsync_v2(bufs[k % len(bufs)], r.devPtr + k * chunk, n,
+                                                r.stream))
+
+            if count:
+                enqueue(0)
+            for k in range(count):
+                _check(lib.cuStreamSynchronize(r.stream))  # chunk k has landed
+                if k + 1 < count:
+                    enqueue(k + 1)  # into the other buffer, while this one is written
+                n = min(chunk, r.size - k * chunk)
+                data = memoryview((ctypes.c_char * n).from_address(bufs[k % len(bufs)].value))
+                digests.append(_digest(data).hexdigest())
+                _write(dirfd, _chunk_name(index, k), data)
+        finally:
+            for b in bufs:
+                lib.cuMemFreeHost(b)
+        return digests
+
+    def restore(self, pid: int, directory: str, pairs: list) -> None:
+        self._current()
+        try:
+            dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise Refused(f"no custom-storage image at {directory}: {exc.strerror}") from exc
+        try:
+            manifest = _manifest(dirfd)
+            chunk = manifest["chunk"]
+            # Every chunk verified before the process is touched: a bad image
+            # leaves it checkpointed, exactly as it was.
+            for i, rng in enumerate(manifest["ranges"]):
+                for k, digest in enumerate(rng["chunks"]):
+                    _read_chunk(dirfd, i, k, _chunk_size(rng["size"], chunk, k), digest, None)
+            info = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
+            args = CUcheckpointRestoreArgs()
+            args.customStorageInfo_out = ctypes.pointer(info)
+            keep = _gpu_pairs(args, pairs)  # noqa: F841 - the array lives through the call
+            _check(self.lib.cuCheckpointProcessRestore(pid, ctypes.byref(args)))
+            # RESTORING now. No abort: whatever goes wrong, the operation is
+            # completed and the process stays LOCKED - never unlocked here.
+            failure: Exception | None = None
+            try:
+                ranges = [info.contents.perDeviceData[i] for i in range(info.contents.deviceCount)]
+                sizes = [r.size for r in ranges]
+                if sizes != [rng["size"] for rng in manifest["ranges"]]:
+                    raise Refused(f"the driver mapped ranges of {sizes} bytes; the image holds "
+                                  f"{[rng['size'] for rng in manifest['ranges']]}")
+                for i, (r, rng) in enumerate(zip(ranges, manifest["ranges"], strict=True)):
+                    self._copy_in(r, dirfd, i, chunk, rng["chunks"])
+            except (Refused, CallFailed, OSError) as exc:
+                failure = exc
+            _check(self.lib.cuCheckpointOperationComplete(info.contents.handle))
+            if failure is not None:
+                raise failure
+        finally:
+            os.close(dirfd)
+
+    def _copy_in(self, r: CUcheckpointCustomStoragePerDeviceData, dirfd: int, index: int,
+                 chunk: int, digests: list[str]) -> None:
+        lib = self.lib
+        bufs = [self._pinned(chunk) for _ in range(2 if len(digests) > 1 else 1)]
+        try:
+            for k, digest in enumerate(digests):
+                n = _chunk_size(r.size, chunk, k)
+                buf = bufs[k % len(bufs)]
+                # Read while the previous chunk crosses the link: this buffer's
+                # last copy finished at the synchronisation before it.
+                _read_chunk(dirfd, index, k, n, digest,
+                            memoryview((ctypes.c_char * n).from_address(buf.value)).cast("B"))
+                _check(lib.cuStreamSynchronize(r.stream))
+                _check(lib.cuMemcpyHtoDAsync_v2(r.devPtr + k * chunk, buf, n, r.stream))
+            _check(lib.cuStreamSynchronize(r.stream))
+        finally:
+            for b in bufs:
+                lib.cuMemFreeHost(b)
+
+
+class PutBack(Exception):
+    """A custom-storage checkpoint failed after the driver's call; the text
+    says whether the process's memory was put back."""
+
+
+def _what(storage: Storage, exc: BaseException) -> str:
+    if isinstance(exc, CallFailed):
+        name, text = storage.driver.describe(exc.code)
+        return f"{text} ({name})"
+    return str(exc)
+
+
+def _remove_own(dirfd: int, directory: str) -> None:
+    """Remove what a failed checkpoint wrote: the directory it created, and
+    the chunk files and manifest in it (nothing else is there to remove)."""
+    for name in os.listdir(dirfd):
+        if name == MANIFEST or name.endswith(".chunk"):
+            os.unlink(name, dir_fd=dirfd)
+    import contextlib
+
+    with contextlib.suppress(OSError):  # something else appeared in it: its owner's
+        os.rmdir(directory)
+
+
+def _digest(data: object = b"") -> object:
+    """A chunk's digest (hashlib costs milliseconds to import: only on this path)."""
+    import hashlib
+
+    return hashlib.new(DIGEST, data)  # type: ignore[arg-type]
+
+
+def _chunk_name(index: int, k: int) -> str:
+    return f"gpu{index}-{k:06d}.chunk"
+
+
+def _chunk_size(size: int, chunk: int, k: int) -> int:
+    return min(chunk, size - k * chunk)
+
+
+def _write(dirfd: int, name: str, data: object) -> None:
+    """A new file, written whole and fsynced."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dirfd)
+    try:
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _open_regular(dirfd: int, name: str, size: int | None, cap: int) -> int:
+    """A file of the image: no link followed, no FIFO or device waited on,
+    regular, of the expected size (or at most cap)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dirfd)
+    except OSError as exc:
+        raise Refused(f"{name}: {exc.strerror}") from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size) \
+            or st.st_size > cap:
+        os.close(fd)
+        raise Refused(f"{name}: not a regular file of {size if size is not None else cap} "
+                      f"bytes{' at most' if size is None else ''}")
+    return fd
+
+
+def _read_chunk(dirfd: int, index: int, k: int, size: int, digest: str,
+                into: memoryview | None) -> None:
+    """Read one chunk (into `into`, or just through) and check its digest."""
+    name = _chunk_name(index, k)
+    fd = _open_regular(dirfd, name, size, size)
+    try:
+        h = _digest()
+        buf = into if into is not None else memoryview(bytearray(min(size, 1 << 20)))
+        done = 0
+        while done < size:
+            part = buf[done:] if into is not None else buf[:min(len(buf), size - done)]
+            got = os.readv(fd, [part])
+            if got <= 0:
+                raise Refused(f"{name}: shorter than {size} bytes")
+            h.update(part[:got])
+            done += got
+    finally:
+        os.close(fd)
+    if h.hexdigest() != digest:
+        raise Refused(f"{name}: content does not match its digest in the manifest")
+
+
+def _manifest(dirfd: int) -> dict:
+    """The image's manifest, checked field by field."""
+    fd = _open_regular(dirfd, MANIFEST, None, MANIFEST_MAX)
+    try:
+        raw = os.read(fd, MANIFEST_MAX + 1)
+    finally:
+        os.close(fd)
+    try:
+        m = json.loads(raw)
+        ok = (isinstance(m, dict) and m.get("format") == 1 and m.get("digest") == DIGEST
+              and type(m.get("chunk")) is int and CHUNK_MIN <= m["chunk"] <= CHUNK_MAX
+              and isinstance(m.get("ranges"), list) and len(m["ranges"]) <= MAX_RANGES)
+        for rng in m["ranges"] if ok else ():
+            ok = ok and isinstance(rng, dict) and type(rng.get("size")) is int \
+                and 0 <= rng["size"] < 1 << 48 and isinstance(rng.get("chunks"), list) \
+                and len(rng["chunks"]) == -(-rng["size"] // m["chunk"]) \
+                and all(isinstance(d, str) and len(d) == 64
+                        and all(c in "0123456789abcdef" for c in d) for d in rng["chunks"])
+    except (ValueError, RecursionError):
+        ok = False
+    if not ok:
+        raise Refused(f"{MANIFEST}: not a custom-storage manifest this version reads")
+    return m
+
+
+def _gpu_pairs(args: CUcheckpointRestoreArgs, pairs: list) -> object:
+    """Fill the restore's GPU pairs; the array, which must outlive the call."""
+    if not pairs:
+        return None
+    array = (CUcheckpointGpuPair * len(pairs))()
+    for i, (old, new) in enumerate(pairs):
+        array[i].oldUuid.bytes = bytes.fromhex(old)
+        array[i].newUuid.bytes = bytes.fromhex(new)
+    args.gpuPairs = ctypes.cast(array, ctypes.POINTER(CUcheckpointGpuPair))
+    args.gpuPairsCount = len(pairs)
+    return array
 
 
 class CallFailed(Exception):
@@ -168,7 +584,9 @@ def main(argv: list[str]) -> int:
         return 1
     version = ctypes.c_int(0)
     driver.lib.cuDriverGetVersion(ctypes.byref(version))
-    say({"ready": True, "cuda_version": version.value, "pid": os.getpid()})
+    storage, why = custom_storage(driver.lib, version.value)
+    say({"ready": True, "cuda_version": version.value, "pid": os.getpid(),
+         "custom_storage": storage, "custom_storage_why": why})
 
     def serve(req: dict) -> None:
         try:
@@ -176,6 +594,9 @@ def main(argv: list[str]) -> int:
         except CallFailed as exc:
             name, text = driver.describe(exc.code)
             say({"id": req["id"], "ok": False, "code": exc.code, "name": name, "error": text})
+        except (Refused, PutBack, OSError) as exc:  # custom storage: the image, or a put-back
+            say({"id": req["id"], "ok": False, "code": 1, "name": "custom storage",
+                 "error": str(exc)})
         except (KeyError, TypeError, ValueError) as exc:
             say({"id": req.get("id"), "ok": False, "code": 1, "name": "bad request",
                  "error": str(exc)})

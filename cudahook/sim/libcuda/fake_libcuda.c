@@ -11,7 +11,14 @@
  * branch, the attach latency (paid once per cuInit, not per call), the
  * per-call cost and CUDA 13.4 transient states. Copy bandwidth is the
  * workload runtime's and the GPU service's business, as for the tool.
- * Faults injected in SIM/faults.json for the tool apply here too.
+ * Faults injected in SIM/faults.json for the tool apply here too (and to
+ * cuCheckpointOperationComplete as "checkpoint-complete"/"restore-complete").
+ *
+ * With "cuda_version" 13040+ in sim.json it is a CUDA 13.4+ driver with
+ * custom storage: the caller's retained primary contexts are its own
+ * connections to the GPU service, which maps the target's memory onto the
+ * caller's GPU as one range and paces the caller's copies over the link.
+ * Declarations: fake_cuda.h (re-typed from cuda.h, checked against it).
  *
  * SIM is $CUDA_SIM_DIR, else the parent of the directory this library was
  * loaded from (a node keeps it at SIM/lib/libcuda.so.1).
@@ -21,77 +28,21 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
-/* ---- cuda.h (CUDA 13.0), the parts this library implements ------------ */
-
-typedef enum cudaError_enum {
-    CUDA_SUCCESS = 0,
-    CUDA_ERROR_INVALID_VALUE = 1,
-    CUDA_ERROR_OUT_OF_MEMORY = 2,
-    CUDA_ERROR_NOT_INITIALIZED = 3,
-    CUDA_ERROR_NO_DEVICE = 100,
-    CUDA_ERROR_INVALID_DEVICE = 101,
-    CUDA_ERROR_ILLEGAL_STATE = 401,
-    CUDA_ERROR_NOT_SUPPORTED = 801,
-    CUDA_ERROR_TIMEOUT = 909,
-    CUDA_ERROR_UNKNOWN = 999
-} CUresult;
-
-typedef uint64_t cuuint64_t;
-
-typedef struct CUuuid_st {
-    char bytes[16];
-} CUuuid;
-
-typedef enum CUprocessState_enum {
-    CU_PROCESS_STATE_RUNNING = 0,
-    CU_PROCESS_STATE_LOCKED = 1,
-    CU_PROCESS_STATE_CHECKPOINTED = 2,
-    CU_PROCESS_STATE_FAILED = 3
-} CUprocessState;
-
-typedef struct CUcheckpointLockArgs_st {
-    unsigned int timeoutMs;
-    unsigned int reserved0;
-    cuuint64_t reserved1[7];
-} CUcheckpointLockArgs;
-
-typedef struct CUcheckpointCheckpointArgs_st {
-    cuuint64_t reserved[8];
-} CUcheckpointCheckpointArgs;
-
-typedef struct CUcheckpointGpuPair_st {
-    CUuuid oldUuid;
-    CUuuid newUuid;
-} CUcheckpointGpuPair;
-
-typedef struct CUcheckpointRestoreArgs_st {
-    CUcheckpointGpuPair *gpuPairs;
-    unsigned int gpuPairsCount;
-    char reserved[64 - sizeof(CUcheckpointGpuPair *) - sizeof(unsigned int) - sizeof(cuuint64_t)];
-    cuuint64_t reserved1;
-} CUcheckpointRestoreArgs;
-
-typedef struct CUcheckpointUnlockArgs_st {
-    cuuint64_t reserved[8];
-} CUcheckpointUnlockArgs;
-
-_Static_assert(sizeof(CUcheckpointLockArgs) == 64, "cuda.h layout");
-_Static_assert(sizeof(CUcheckpointCheckpointArgs) == 64, "cuda.h layout");
-_Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "cuda.h layout");
-_Static_assert(sizeof(CUcheckpointUnlockArgs) == 64, "cuda.h layout");
-_Static_assert(sizeof(CUcheckpointGpuPair) == 32, "cuda.h layout");
+#include "fake_cuda.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -104,6 +55,9 @@ static struct {
     double attach_latency_s;
     double call_cost_s;
     int transient;
+    int cuda_version; /* sim.json "cuda_version": a CUDA 13.4+ driver; 0: by branch */
+    int gpu_count;
+    char gpu_uuid[16][48]; /* the node's GPUs, in ordinal order */
     char dir[PATH_MAX];
 } node;
 
@@ -118,6 +72,8 @@ static const struct cu_error {
     {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
     {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE",
      "the operation cannot be performed in the present state"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
@@ -591,8 +547,15 @@ EXPORT CUresult cuInit(unsigned int flags) {
     if (!json_get_string(config, "driver_version", node.version, sizeof node.version))
         snprintf(node.version, sizeof node.version, "0");
     node.major = atoi(node.version);
+    node.cuda_version = (int)json_get_number(config, "cuda_version", 0);
     const char *gpus = json_find(config, "gpus");
     int have_gpus = gpus && *gpus == '[' && *skip_ws(gpus + 1) != ']';
+    node.gpu_count = 0;
+    /* The GPUs' UUIDs in order: every "uuid" key after "gpus" is one GPU's. */
+    for (const char *u = gpus ? strstr(gpus, "\"uuid\"") : NULL; u && node.gpu_count < 16;
+         u = strstr(u + 6, "\"uuid\""))
+        if (json_get_string(u, "uuid", node.gpu_uuid[node.gpu_count], sizeof node.gpu_uuid[0]))
+            node.gpu_count++;
     free(config);
     /* The driver attach: what every cuda-checkpoint run pays, once here. */
     sleep_s(node.attach_latency_s);
@@ -608,21 +571,35 @@ EXPORT CUresult cuInit(unsigned int flags) {
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuDriverGetVersion(int *driverVersion) {
-    if (!driverVersion)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (!node.initialised && find_dir() == 0 && !node.major) {
+/* The CUDA version the simulated driver supports: the node's own setting
+ * (a CUDA 13.4+ driver, with custom storage), else its branch's. */
+static int cuda_version(void) {
+    if (node.cuda_version)
+        return node.cuda_version;
+    int m = node.major;
+    return m >= 590 ? 13010 : m >= 580 ? 13000 : m >= 575 ? 12090
+         : m >= 570 ? 12080 : m >= 560 ? 12060 : m >= 555 ? 12050 : 12040;
+}
+
+/* The node's driver version, read before cuInit when asked for it. */
+static void load_version(void) {
+    if (!node.initialised && !node.major && find_dir() == 0) {
         char path[PATH_MAX];
         node_path(path, sizeof path, "sim.json");
         char *config = slurp(path, 1 << 20);
         if (config && json_get_string(config, "driver_version", node.version, sizeof node.version))
             node.major = atoi(node.version);
+        if (config)
+            node.cuda_version = (int)json_get_number(config, "cuda_version", 0);
         free(config);
     }
-    /* The CUDA version each driver branch supports. */
-    int m = node.major;
-    *driverVersion = m >= 590 ? 13010 : m >= 580 ? 13000 : m >= 575 ? 12090
-                   : m >= 570 ? 12080 : m >= 560 ? 12060 : m >= 555 ? 12050 : 12040;
+}
+
+EXPORT CUresult cuDriverGetVersion(int *driverVersion) {
+    if (!driverVersion)
+        return CUDA_ERROR_INVALID_VALUE;
+    load_version();
+    *driverVersion = cuda_version();
     return CUDA_SUCCESS;
 }
 
@@ -723,13 +700,557 @@ EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
     return ask(pid, request, reply, sizeof reply);
 }
 
+/* ---- contexts, streams, pinned memory, copies (custom storage's caller) -- */
+
+/* A retained primary context is a connection to the GPU service for its
+ * device, as a real one is an open GPU context: the service lists the
+ * caller as a process on that GPU, and its copies take turns on that GPU's
+ * link with everyone else's. */
+struct CUctx_st {
+    int dev, refs, sock, ready;
+    pthread_mutex_t io;
+};
+
+struct CUstream_st {
+    struct CUctx_st *ctx;
+    double until; /* CLOCK_MONOTONIC time the stream's queued copies end */
+};
+
+static struct CUctx_st contexts[16];
+static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t stream_lock = PTHREAD_MUTEX_INITIALIZER;
+static __thread struct CUctx_st *current_ctx;
+
+static double now_mono(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void wait_until(double until) {
+    sleep_s(until - now_mono());
+}
+
+/* One request on a context's service connection; its reply line, and the
+ * descriptor that came with it when fd_out is given. */
+static CUresult service_call(struct CUctx_st *ctx, const char *request, char *reply, size_t size,
+                             int *fd_out) {
+    int got_fd = -1;
+    size_t n = 0, len = strlen(request), sent = 0;
+    pthread_mutex_lock(&ctx->io);
+    while (sent < len) {
+        ssize_t w = send(ctx->sock, request + sent, len - sent, MSG_NOSIGNAL);
+        if (w <= 0)
+            break;
+        sent += (size_t)w;
+    }
+    while (sent == len && n + 1 < size) {
+        struct iovec iov = {reply + n, size - 1 - n};
+        union {
+            char buf[CMSG_SPACE(4 * sizeof(int))];
+            struct cmsghdr align;
+        } control;
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                             .msg_controllen = sizeof control.buf};
+        ssize_t r = recvmsg(ctx->sock, &msg, MSG_CMSG_CLOEXEC);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+                continue;
+            int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < count; i++) {
+                int fd;
+                memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                if (got_fd < 0)
+                    got_fd = fd;
+                else
+                    close(fd);
+            }
+        }
+        n += (size_t)r;
+        if (reply[n - 1] == '\n')
+            break;
+    }
+    pthread_mutex_unlock(&ctx->io);
+    reply[n] = 0;
+    CUresult rc = CUDA_SUCCESS;
+    if (n == 0)
+        rc = CUDA_ERROR_UNKNOWN;
+    else if (!json_get_bool(reply, "ok")) {
+        int code = (int)json_get_number(reply, "code", CUDA_ERROR_UNKNOWN);
+        rc = code ? (CUresult)code : CUDA_ERROR_UNKNOWN;
+    }
+    if (rc == CUDA_SUCCESS && fd_out)
+        *fd_out = got_fd;
+    else if (got_fd >= 0)
+        close(got_fd);
+    return rc;
+}
+
+EXPORT CUresult cuDeviceGetCount(int *count) {
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    *count = node.gpu_count;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal) {
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ordinal < 0 || ordinal >= node.gpu_count)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || dev >= node.gpu_count)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct CUctx_st *ctx = &contexts[dev];
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&ctx_lock);
+    if (!ctx->ready) {
+        pthread_mutex_init(&ctx->io, NULL);
+        ctx->dev = dev;
+        ctx->ready = 1;
+    }
+    if (ctx->refs == 0) {
+        char path[PATH_MAX], request[256], reply[4096];
+        node_path(path, sizeof path, "gpu.sock");
+        ctx->sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (ctx->sock < 0 || connect_path(ctx->sock, path) != 0) {
+            rc = CUDA_ERROR_NO_DEVICE;
+        } else {
+            snprintf(request, sizeof request, "{\"op\": \"hello\", \"uuid\": \"%s\"}\n",
+                     node.gpu_uuid[dev]);
+            rc = service_call(ctx, request, reply, sizeof reply, NULL);
+        }
+        if (rc != CUDA_SUCCESS && ctx->sock >= 0)
+            close(ctx->sock);
+    }
+    if (rc == CUDA_SUCCESS) {
+        ctx->refs++;
+        *pctx = ctx;
+    }
+    pthread_mutex_unlock(&ctx_lock);
+    return rc;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || dev >= node.gpu_count)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct CUctx_st *ctx = &contexts[dev];
+    pthread_mutex_lock(&ctx_lock);
+    CUresult rc = ctx->refs > 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+    if (ctx->refs > 0 && --ctx->refs == 0)
+        close(ctx->sock); /* the service frees whatever the context held */
+    pthread_mutex_unlock(&ctx_lock);
+    return rc;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
+    return cuDevicePrimaryCtxRelease_v2(dev);
+}
+
+static int live_context(const struct CUctx_st *ctx) {
+    for (int i = 0; i < node.gpu_count; i++)
+        if (ctx == &contexts[i])
+            return ctx->refs > 0;
+    return 0;
+}
+
+EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ctx && !live_context(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    current_ctx = ctx;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int flags) {
+    if (!phStream || flags > 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!current_ctx || !live_context(current_ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct CUstream_st *s = calloc(1, sizeof *s);
+    if (!s)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    s->ctx = current_ctx;
+    *phStream = s;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamDestroy_v2(CUstream hStream) {
+    if (!hStream)
+        return CUDA_ERROR_INVALID_HANDLE;
+    wait_until(hStream->until); /* as the driver: queued work still completes */
+    free(hStream);
+    return CUDA_SUCCESS;
+}
+
+/* The legacy default stream of each context (hStream 0). */
+static struct CUstream_st default_streams[16];
+
+static struct CUstream_st *stream_of(CUstream hStream) {
+    if (hStream)
+        return hStream;
+    if (!current_ctx || !live_context(current_ctx))
+        return NULL;
+    struct CUstream_st *s = &default_streams[current_ctx->dev];
+    s->ctx = current_ctx;
+    return s;
+}
+
+EXPORT CUresult cuStreamSynchronize(CUstream hStream) {
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct CUstream_st *s = stream_of(hStream);
+    if (!s)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&stream_lock);
+    double until = s->until;
+    pthread_mutex_unlock(&stream_lock);
+    wait_until(until);
+    return CUDA_SUCCESS;
+}
+
+/* Page-locked host memory: page-aligned, known by its start for cuMemFreeHost. */
+struct host_alloc {
+    struct host_alloc *next;
+    void *p;
+    size_t size;
+};
+static struct host_alloc *host_allocs;
+static pthread_mutex_t host_lock = PTHREAD_MUTEX_INITIALIZER;
+
+EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int flags) {
+    if (!pp || !bytesize || flags > 0xf)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!current_ctx || !live_context(current_ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct host_alloc *a = malloc(sizeof *a);
+    void *p = mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (!a || p == MAP_FAILED) {
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    a->p = p;
+    a->size = bytesize;
+    pthread_mutex_lock(&host_lock);
+    a->next = host_allocs;
+    host_allocs = a;
+    pthread_mutex_unlock(&host_lock);
+    *pp = p;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemFreeHost(void *p) {
+    pthread_mutex_lock(&host_lock);
+    struct host_alloc **at = &host_allocs;
+    while (*at && (*at)->p != p)
+        at = &(*at)->next;
+    struct host_alloc *a = *at;
+    if (a)
+        *at = a->next;
+    pthread_mutex_unlock(&host_lock);
+    if (!a)
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap(a->p, a->size);
+    free(a);
+    return CUDA_SUCCESS;
+}
+
+/* ---- custom storage (CUDA 13.4+) ----------------------------------------
+ * The driver maps the target's device memory onto the caller's GPU: here
+ * the GPU service gathers the target's allocations into one range (a memfd
+ * it owns for the target) and hands it to the caller's context, which maps
+ * it. Copies to and from the range are made at once and charged to the
+ * GPU's link by the service; the stream is done when the link says so. The
+ * simulated processes each use one GPU, so an operation has one range. */
+struct CUIcheckpointOperation_st {
+    struct CUIcheckpointOperation_st *next;
+    int pid, restore;
+    char token[64];
+    struct CUctx_st *ctx;
+    void *addr;
+    size_t size;
+    CUcheckpointCustomStorageInfo info;
+    CUcheckpointCustomStoragePerDeviceData data[1];
+};
+
+static struct CUIcheckpointOperation_st *operations;
+static pthread_rwlock_t ops_lock = PTHREAD_RWLOCK_INITIALIZER;
+
+static long tgid_of(int pid) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/status", pid);
+    char *status = slurp(path, 16384);
+    long tgid = status ? status_field(status, "\nTgid:", 0) : -1;
+    free(status);
+    return tgid;
+}
+
+static int device_of(const char *uuid) {
+    for (int i = 0; i < node.gpu_count; i++)
+        if (strcmp(node.gpu_uuid[i], uuid) == 0)
+            return i;
+    return -1;
+}
+
+/* Start a custom-storage checkpoint or restore: the target (on GPU `uuid`
+ * once done) is asked with `request`, and its range mapped here. */
+static CUresult storage_begin(int pid, int restore, const char *uuid, const char *request,
+                              CUcheckpointCustomStorageInfo **out) {
+    int dev = device_of(uuid);
+    if (dev < 0 || !live_context(&contexts[dev]))
+        return CUDA_ERROR_INVALID_CONTEXT; /* the caller must retain that GPU's context */
+    struct CUctx_st *ctx = &contexts[dev];
+    char reply[4096], token[64] = "", msg[256];
+    CUresult rc = ask(pid, request, reply, sizeof reply);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    json_get_string(reply, "token", token, sizeof token);
+    size_t size = (size_t)json_get_number(reply, "size", 0);
+    struct CUIcheckpointOperation_st *op = calloc(1, sizeof *op);
+    struct CUstream_st *stream = calloc(1, sizeof *stream);
+    int fd = -1;
+    if (!op || !stream)
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (rc == CUDA_SUCCESS && size) {
+        snprintf(msg, sizeof msg, "{\"op\": \"map\", \"token\": \"%s\"}\n", token);
+        rc = service_call(ctx, msg, reply, sizeof reply, &fd);
+        if (rc == CUDA_SUCCESS && fd < 0)
+            rc = CUDA_ERROR_UNKNOWN;
+    }
+    if (rc == CUDA_SUCCESS && size) {
+        op->addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (op->addr == MAP_FAILED)
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (fd >= 0)
+        close(fd);
+    if (rc != CUDA_SUCCESS) {
+        /* Inside this one call: put the target back as it was. */
+        snprintf(msg, sizeof msg, "{\"op\": \"storage-cancel\", \"token\": \"%s\"}\n", token);
+        ask(pid, msg, reply, sizeof reply);
+        free(op);
+        free(stream);
+        return rc;
+    }
+    op->pid = pid;
+    op->restore = restore;
+    snprintf(op->token, sizeof op->token, "%s", token);
+    op->ctx = ctx;
+    op->size = size;
+    stream->ctx = ctx;
+    op->data[0].devPtr = (CUdeviceptr)(uintptr_t)op->addr;
+    op->data[0].size = size;
+    op->data[0].stream = stream;
+    op->info.handle = op;
+    op->info.perDeviceData = size ? op->data : NULL;
+    op->info.deviceCount = size ? 1 : 0;
+    pthread_rwlock_wrlock(&ops_lock);
+    op->next = operations;
+    operations = op;
+    pthread_rwlock_unlock(&ops_lock);
+    *out = &op->info;
+    return CUDA_SUCCESS;
+}
+
+/* The mapped range holding [ptr, ptr+n), or NULL; with ops_lock held. */
+static struct CUIcheckpointOperation_st *range_of(CUdeviceptr ptr, size_t n) {
+    for (struct CUIcheckpointOperation_st *op = operations; op; op = op->next) {
+        CUdeviceptr start = (CUdeviceptr)(uintptr_t)op->addr;
+        if (op->size && ptr >= start && n <= op->size && ptr - start <= op->size - n)
+            return op;
+    }
+    return NULL;
+}
+
+static CUresult copy(void *host, CUdeviceptr dev, size_t n, CUstream hStream, int to_device) {
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!host && n)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *s = stream_of(hStream);
+    if (!s)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_rwlock_rdlock(&ops_lock);
+    struct CUIcheckpointOperation_st *op = range_of(dev, n);
+    CUresult rc = op ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (op) {
+        if (to_device)
+            memcpy((void *)(uintptr_t)dev, host, n);
+        else
+            memcpy(host, (const void *)(uintptr_t)dev, n);
+        /* The bytes cross that GPU's link: the service queues them there. */
+        char request[128], reply[4096];
+        snprintf(request, sizeof request, "{\"op\": \"link\", \"size\": %zu}\n", n);
+        rc = service_call(op->ctx, request, reply, sizeof reply, NULL);
+        if (rc == CUDA_SUCCESS) {
+            double until = json_get_number(reply, "link_until", 0);
+            pthread_mutex_lock(&stream_lock);
+            if (until > s->until)
+                s->until = until;
+            pthread_mutex_unlock(&stream_lock);
+        }
+    }
+    pthread_rwlock_unlock(&ops_lock);
+    return rc;
+}
+
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t n,
+                                     CUstream hStream) {
+    return copy(dstHost, srcDevice, n, hStream, 0);
+}
+
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t n,
+                                     CUstream hStream) {
+    return copy((void *)srcHost, dstDevice, n, hStream, 1);
+}
+
+EXPORT CUresult cuCheckpointOperationComplete(CUcheckpointOperationHandle handle) {
+    if (cuda_version() < 13040)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (!node.initialised)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_rwlock_wrlock(&ops_lock);
+    struct CUIcheckpointOperation_st **at = &operations;
+    while (*at && *at != handle)
+        at = &(*at)->next;
+    struct CUIcheckpointOperation_st *op = *at;
+    if (op)
+        *at = op->next;
+    pthread_rwlock_unlock(&ops_lock);
+    if (!op)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = inject_fault(op->pid, op->restore ? "restore-complete" : "checkpoint-complete");
+    if (rc != CUDA_SUCCESS) { /* the operation stays open, as before the call */
+        pthread_rwlock_wrlock(&ops_lock);
+        op->next = operations;
+        operations = op;
+        pthread_rwlock_unlock(&ops_lock);
+        return rc;
+    }
+    struct CUstream_st *stream = op->data[0].stream;
+    pthread_mutex_lock(&stream_lock);
+    double until = stream->until;
+    pthread_mutex_unlock(&stream_lock);
+    wait_until(until); /* the driver synchronises the operation's streams */
+    if (op->addr)
+        munmap(op->addr, op->size);
+    char request[256], reply[4096];
+    snprintf(request, sizeof request, "{\"op\": \"storage-complete\", \"token\": \"%s\"}\n",
+             op->token);
+    rc = ask(op->pid, request, reply, sizeof reply);
+    free(stream);
+    free(op);
+    return rc;
+}
+
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                    cuuint64_t flags, CUdriverProcAddressQueryResult *status);
+
+/* The entry points cuGetProcAddress knows, with the CUDA version of each. */
+static const struct entry {
+    const char *name;
+    void *fn;
+    int since;
+} entries[] = {
+    {"cuInit", (void *)cuInit, 2000},
+    {"cuDriverGetVersion", (void *)cuDriverGetVersion, 2020},
+    {"cuGetErrorName", (void *)cuGetErrorName, 6000},
+    {"cuGetErrorString", (void *)cuGetErrorString, 6000},
+    {"cuDeviceGet", (void *)cuDeviceGet, 2000},
+    {"cuDeviceGetCount", (void *)cuDeviceGetCount, 2000},
+    {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain, 7000},
+    {"cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease_v2, 11000},
+    {"cuCtxSetCurrent", (void *)cuCtxSetCurrent, 4000},
+    {"cuStreamCreate", (void *)cuStreamCreate, 2000},
+    {"cuStreamDestroy", (void *)cuStreamDestroy_v2, 4000},
+    {"cuStreamSynchronize", (void *)cuStreamSynchronize, 2000},
+    {"cuMemHostAlloc", (void *)cuMemHostAlloc, 2020},
+    {"cuMemFreeHost", (void *)cuMemFreeHost, 2000},
+    {"cuMemcpyDtoHAsync", (void *)cuMemcpyDtoHAsync_v2, 3020},
+    {"cuMemcpyHtoDAsync", (void *)cuMemcpyHtoDAsync_v2, 3020},
+    {"cuGetProcAddress", (void *)cuGetProcAddress_v2, 12000},
+    {"cuCheckpointProcessGetState", (void *)cuCheckpointProcessGetState, 12080},
+    {"cuCheckpointProcessGetRestoreThreadId", (void *)cuCheckpointProcessGetRestoreThreadId,
+     12080},
+    {"cuCheckpointProcessLock", (void *)cuCheckpointProcessLock, 12080},
+    {"cuCheckpointProcessCheckpoint", (void *)cuCheckpointProcessCheckpoint, 12080},
+    {"cuCheckpointProcessRestore", (void *)cuCheckpointProcessRestore, 12080},
+    {"cuCheckpointProcessUnlock", (void *)cuCheckpointProcessUnlock, 12080},
+    {"cuCheckpointOperationComplete", (void *)cuCheckpointOperationComplete, 13040},
+};
+
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                    cuuint64_t flags, CUdriverProcAddressQueryResult *status) {
+    if (!symbol || !pfn || flags > 4)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pfn = NULL;
+    load_version(); /* callable before cuInit, as the runtime does */
+    if (cudaVersion > cuda_version())
+        return CUDA_ERROR_INVALID_VALUE; /* newer than this driver */
+    CUdriverProcAddressQueryResult found = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
+        if (strcmp(entries[i].name, symbol) != 0 || entries[i].since > cuda_version())
+            continue;
+        if (cudaVersion < entries[i].since) {
+            found = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+        } else {
+            *pfn = entries[i].fn;
+            found = CU_GET_PROC_ADDRESS_SUCCESS;
+        }
+        break;
+    }
+    if (status)
+        *status = found;
+    return CUDA_SUCCESS;
+}
+
+/* ---- checkpoint and restore ---------------------------------------------- */
+
 EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
-    if (args && !reserved_zero(args->reserved, sizeof args->reserved))
+    /* Before CUDA 13.4 the custom-storage pointer is reserved space: non-zero
+     * there is an invalid argument, as the older driver sees it. */
+    int storage = args && args->customStorageInfo_out && cuda_version() >= 13040;
+    if (args && ((args->customStorageInfo_out && !storage) ||
+                 !reserved_zero(args->reserved, sizeof args->reserved)))
         return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = begin(pid, "checkpoint");
     if (rc != CUDA_SUCCESS)
         return rc;
     char reply[4096];
+    if (storage && tgid_of(pid) == (long)getpid())
+        return CUDA_ERROR_NOT_SUPPORTED; /* not on the calling process itself */
+    if (storage) {
+        char gpu[64] = "";
+        rc = ask(pid, "{\"op\": \"status\"}\n", reply, sizeof reply);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+        json_get_string(reply, "gpu", gpu, sizeof gpu);
+        return storage_begin(pid, 0, gpu, "{\"op\": \"checkpoint\", \"storage\": true}\n",
+                             args->customStorageInfo_out);
+    }
     return ask(pid, node.transient ? "{\"op\": \"checkpoint\", \"transient\": true}\n"
                                    : "{\"op\": \"checkpoint\"}\n", reply, sizeof reply);
 }
@@ -742,7 +1263,9 @@ static void format_uuid(const CUuuid *u, char *out) {
 }
 
 EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
-    if (args && (!reserved_zero(args->reserved, sizeof args->reserved) || args->reserved1))
+    int storage = args && args->customStorageInfo_out && cuda_version() >= 13040;
+    if (args && ((args->customStorageInfo_out && !storage) || args->padding0 ||
+                 !reserved_zero(args->reserved, sizeof args->reserved)))
         return CUDA_ERROR_INVALID_VALUE;
     if (args && args->gpuPairsCount && !args->gpuPairs)
         return CUDA_ERROR_INVALID_VALUE;
@@ -754,9 +1277,18 @@ EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *arg
         return CUDA_ERROR_NOT_SUPPORTED; /* GPU remapping is R580+ */
     if (pairs > 64)
         return CUDA_ERROR_INVALID_VALUE;
-    char request[8192], reply[4096];
-    int n = snprintf(request, sizeof request, "{\"op\": \"restore\"%s",
-                     node.transient ? ", \"transient\": true" : "");
+    char request[8192], reply[4096], gpu[64] = "";
+    if (storage && tgid_of(pid) == (long)getpid())
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (storage) { /* the GPU it will be on: its own, or where the map sends it */
+        rc = ask(pid, "{\"op\": \"status\"}\n", reply, sizeof reply);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+        json_get_string(reply, "gpu", gpu, sizeof gpu);
+    }
+    int n = snprintf(request, sizeof request, "{\"op\": \"restore\"%s%s",
+                     node.transient && !storage ? ", \"transient\": true" : "",
+                     storage ? ", \"storage\": true" : "");
     if (pairs) {
         n += snprintf(request + n, sizeof request - n, ", \"device_map\": {");
         for (unsigned int i = 0; i < pairs; i++) {
@@ -765,10 +1297,14 @@ EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *arg
             format_uuid(&args->gpuPairs[i].newUuid, new);
             n += snprintf(request + n, sizeof request - n, "%s\"%s\": \"%s\"", i ? ", " : "",
                           old, new);
+            if (storage && strcmp(old, gpu) == 0)
+                snprintf(gpu, sizeof gpu, "%s", new);
         }
         n += snprintf(request + n, sizeof request - n, "}");
     }
     snprintf(request + n, sizeof request - n, "}\n");
+    if (storage)
+        return storage_begin(pid, 1, gpu, request, args->customStorageInfo_out);
     return ask(pid, request, reply, sizeof reply);
 }
 

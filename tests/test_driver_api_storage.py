@@ -1,0 +1,262 @@
+"""The driver-API backend finds CUDA 13.4's custom storage by asking the
+driver (cuGetProcAddress), and `cudahook features` and doctor say which
+GPU-memory path a container gets under `gpu_memory`, and why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cudahook.core.backends import Features, gpu_memory_path, make_backend, probe
+from cudahook.core.backends.driver_api import DriverAPI
+from cudahook.platform.host import Host
+
+from .test_cli import cli, write_config
+
+
+def storage_node(make_node, **kw):  # type: ignore[no-untyped-def]
+    node = make_node(**kw)
+    node.lab.set(cuda_version=13040)  # a CUDA 13.4+ driver
+    return node
+
+
+@pytest.mark.parametrize(("cuda_version", "have", "why"), [
+    (13040, True, "cuCheckpointOperationComplete found for CUDA 13.4"),
+    (13050, True, "cuCheckpointOperationComplete found for CUDA 13.4"),
+    (None, False, "the driver supports CUDA 13.1; custom storage needs 13.4"),
+])
+def test_the_driver_is_asked_for_custom_storage(make_node, cuda_version, have, why) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=590)
+    if cuda_version:
+        node.lab.set(cuda_version=cuda_version)
+    backend = make_backend(node.lab.settings(backend="driver-api"), Host())
+    assert isinstance(backend, DriverAPI)
+    try:
+        f = probe(backend)
+    finally:
+        backend.close()
+    assert (f.custom_storage, f.custom_storage_why) == (have, why)
+    assert ("custom_storage" in f.describe()) is have
+
+
+def test_the_cli_backend_has_no_custom_storage(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node)
+    f = probe(make_backend(node.lab.settings(backend="cli"), Host()))
+    assert not f.custom_storage and "driver-API call" in f.custom_storage_why
+
+
+@pytest.mark.parametrize(("setting", "have", "path"), [
+    ("host", True, "host"), ("host", False, "host"),
+    ("auto", True, "storage"), ("auto", False, "host"),
+    ("storage", True, "storage"), ("storage", False, None),
+])
+def test_the_gpu_memory_setting_decides_the_path(setting: str, have: bool, path: str | None) -> None:
+    f = Features(version="600.1", actions=True, custom_storage=have, custom_storage_why="because")
+    got, why = gpu_memory_path(setting, f)
+    assert got == path and f"gpu_memory: {setting}" in why
+    assert ("because" in why) is (setting != "host")
+
+
+@pytest.mark.parametrize(("cuda_version", "setting", "path", "doctor"), [
+    (13040, "host", "host", "ok"),
+    (13040, "auto", "storage", "warn"),
+    (None, "auto", "host", "ok"),
+    (None, "storage", None, "fail"),
+])
+def test_features_and_doctor_say_which_gpu_memory_path(make_node, tmp_path, cuda_version, setting,
+                                                        path, doctor) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=590)
+    if cuda_version:
+        node.lab.set(cuda_version=cuda_version)
+    cfg = write_config(node, backend="auto", gpu_memory=setting)
+    f = json.loads(cli("--json", "features", config=cfg).stdout)
+    assert (f["gpu_memory"], f["custom_storage"]) == (path, bool(cuda_version))
+    assert f"gpu_memory: {setting}" in f["gpu_memory_why"]
+    text = cli("features", config=cfg).stdout
+    assert f"gpu memory: {path or 'refused'} (gpu_memory: {setting}" in text
+    assert f"custom storage: {'yes' if cuda_version else 'no'} (" in text
+    root = tmp_path / "root"
+    root.mkdir()
+    checks = {c["name"]: c for c in json.loads(
+        cli("--json", "doctor", "--root", str(root), config=cfg).stdout)}
+    assert checks["gpu memory"]["status"] == doctor
+    assert f"gpu_memory: {setting}" in checks["gpu memory"]["detail"]
+
+
+# -- the custom-storage path in the helper ------------------------------------
+
+
+def storage_api(node):  # type: ignore[no-untyped-def]
+    backend = make_backend(node.lab.settings(backend="driver-api"), Host())
+    assert isinstance(backend, DriverAPI)
+    return backend
+
+
+def state_of(node, pid: int) -> str:  # type: ignore[no-untyped-def]
+    import subprocess
+
+    return subprocess.run([str(node.lab.cuda_checkpoint), "--get-state", "--pid", str(pid)],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def checkpointed_to_storage(node, tmp_path, mib: int = 4):  # type: ignore[no-untyped-def]
+    """A workload checkpointed through custom storage in 1 MiB chunks: its pid,
+    the image directory and the backend."""
+    node.spawn("w", mib=mib, check_after_restore=True)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    api = storage_api(node)
+    api.lock(pid, 0)
+    image = tmp_path / "image" / f"gpu-memory-{pid}"
+    image.parent.mkdir()
+    done = api.checkpoint_to_storage(pid, str(image), chunk=1 << 20)
+    assert done == {"ranges": 1, "bytes": (mib << 20) + 8}
+    return pid, image, api
+
+
+def healthy_after_restore(node, tag: str) -> dict:  # type: ignore[no-untyped-def]
+    import time
+
+    before = node.lab.status(tag)["counter"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        st = node.lab.status(tag)
+        if st.get("checked_restores", 0) >= 1 and st["counter"] > before + 2:
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"not running on after the restore: {node.lab.status(tag)}")
+
+
+def test_checkpoint_and_restore_through_custom_storage(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node, bandwidth_mib_s=400)
+    pid, image, api = checkpointed_to_storage(node, tmp_path)
+    try:
+        assert state_of(node, pid) == "checkpointed"
+        info = node.lab.info()
+        assert all(p["pid"] != pid for g in info["gpus"] for p in g["processes"])  # released
+        names = sorted(p.name for p in image.iterdir())
+        assert names == ["gpu0-000000.chunk", "gpu0-000001.chunk", "gpu0-000002.chunk",
+                         "gpu0-000003.chunk", "gpu0-000004.chunk", "manifest.json"]
+        manifest = json.loads((image / "manifest.json").read_text())
+        assert manifest["digest"] == "sha256" and len(manifest["ranges"][0]["chunks"]) == 5
+        api.restore_from_storage(pid, str(image))
+        assert state_of(node, pid) == "locked"
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w")
+    assert st["intact"] and not st["errors"]
+
+
+def test_a_flipped_bit_in_a_chunk_is_refused_and_the_workload_stays_checkpointed(
+        make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.platform.errors import ToolError
+
+    node = storage_node(make_node)
+    pid, image, api = checkpointed_to_storage(node, tmp_path)
+    try:
+        chunk = image / "gpu0-000002.chunk"
+        data = bytearray(chunk.read_bytes())
+        data[4321] ^= 0x10
+        chunk.write_bytes(bytes(data))
+        before = {p.name: p.read_bytes() for p in image.iterdir()}
+        counter = node.lab.status("w")["counter"]
+        with pytest.raises(ToolError, match=r"gpu0-000002\.chunk: content does not match"):
+            api.restore_from_storage(pid, str(image))
+        assert state_of(node, pid) == "checkpointed"  # never touched, never released
+        assert {p.name: p.read_bytes() for p in image.iterdir()} == before  # image unchanged
+        import time
+
+        time.sleep(0.3)
+        assert node.lab.status("w")["counter"] == counter
+        # Put right, the same image restores: the refusal changed nothing.
+        data[4321] ^= 0x10
+        chunk.write_bytes(bytes(data))
+        api.restore_from_storage(pid, str(image))
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w")
+    assert st["intact"] and not st["errors"]
+
+
+@pytest.mark.parametrize("case", ["symlink", "fifo", "short", "manifest"])
+def test_outside_files_read_safely__custom_storage_image(make_node, tmp_path, case: str) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    from cudahook.platform.errors import ToolError
+
+    node = storage_node(make_node)
+    pid, image, api = checkpointed_to_storage(node, tmp_path)
+    chunk = image / "gpu0-000001.chunk"
+    try:
+        if case == "symlink":  # the same bytes, through a link
+            real = tmp_path / "elsewhere"
+            real.write_bytes(chunk.read_bytes())
+            chunk.unlink()
+            chunk.symlink_to(real)
+        elif case == "fifo":
+            chunk.unlink()
+            os.mkfifo(chunk)
+        elif case == "short":
+            chunk.write_bytes(chunk.read_bytes()[:-1])
+        else:
+            (image / "manifest.json").write_text('{"format": 1, "digest": "sha256", '
+                                                 '"chunk": 1048576, "ranges": [[]]}')
+        with pytest.raises(ToolError, match=r"gpu0-000001\.chunk|manifest\.json"):
+            api.restore_from_storage(pid, str(image))
+        assert state_of(node, pid) == "checkpointed"
+    finally:
+        api.close()
+
+
+def test_custom_storage_is_refused_where_the_driver_lacks_it(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.platform.errors import ToolError
+
+    node = make_node(driver=590)
+    node.spawn("w", mib=2)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    api = storage_api(node)
+    try:
+        api.lock(pid, 0)
+        with pytest.raises(ToolError, match=r"custom storage unavailable: the driver supports "
+                                            r"CUDA 13\.1"):
+            api.checkpoint_to_storage(pid, str(tmp_path / "image"))
+        assert state_of(node, pid) == "locked" and not (tmp_path / "image").exists()
+        api.unlock(pid)
+    finally:
+        api.close()
+
+
+@pytest.mark.parametrize(("times", "outcome", "state"), [
+    (1, "its GPU memory was put back: left locked", "locked"),
+    (2, "putting its GPU memory back failed (unknown error (CUDA_ERROR_UNKNOWN)): left "
+        "checkpointing", "checkpointing"),
+])
+def test_a_storage_checkpoint_that_fails_before_completion_puts_the_memory_back(
+        make_node, tmp_path, times: int, outcome: str, state: str) -> None:  # type: ignore[no-untyped-def]
+    """The API has no abort: the helper completes through host memory and
+    restores the process from it, so the rollback can unlock it intact."""
+    import re
+
+    from cudahook.platform.errors import ToolError
+
+    node = storage_node(make_node)
+    node.spawn("w", mib=4, check_after_restore=True)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    api = storage_api(node)
+    image = tmp_path / "image"
+    try:
+        api.lock(pid, 0)
+        node.lab.fault("checkpoint-complete", "error", code=999, times=times)
+        with pytest.raises(ToolError, match=re.escape(outcome)):
+            api.checkpoint_to_storage(pid, str(image), chunk=1 << 20)
+        assert state_of(node, pid) == state
+        assert not image.exists()  # what it wrote is gone with it
+        if state == "locked":
+            api.unlock(pid)
+    finally:
+        api.close()
+    if state == "locked":
+        st = healthy_after_restore(node, "w")
+        assert st["intact"] and not st["errors"]

@@ -1,0 +1,174 @@
+"""Custom storage (CUDA 13.4+) in the simulated libcuda: the caller maps the
+target's device memory, copies it out and in at the link's pace, and
+completes; the driver's rules hold; a workload's memory check catches any
+byte that comes back wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CALLER = Path(__file__).with_name("storage_caller.py")
+
+
+class Caller:
+    """tests/storage_caller.py on a node's libcuda, one JSON line per step."""
+
+    def __init__(self, node, pid: int, action: str, path: Path, *opts: str):  # type: ignore[no-untyped-def]
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CALLER), str(node.lab.libcuda), str(pid), action, str(path),
+             *opts], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+
+    def step(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the caller ended early (exit {self.proc.wait(10)})"
+        return json.loads(line)
+
+    def go_on(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 60) -> list[dict]:
+        out, _ = self.proc.communicate(timeout=timeout)
+        return [json.loads(line) for line in out.splitlines()]
+
+
+def run(node, pid: int, action: str, path: Path, *opts: str) -> list[dict]:  # type: ignore[no-untyped-def]
+    return Caller(node, pid, action, path, *opts).finish()
+
+
+def used_by(node, pid: int) -> int | None:  # type: ignore[no-untyped-def]
+    """Device memory the service charges to pid, None when it is on no GPU."""
+    for gpu in node.lab.info()["gpus"]:
+        for p in gpu["processes"]:
+            if p["pid"] == pid:
+                return int(p["used_bytes"])
+    return None
+
+
+def storage_node(make_node, **kw):  # type: ignore[no-untyped-def]
+    node = make_node(**kw)
+    node.lab.set(cuda_version=13040)  # a CUDA 13.4+ driver
+    return node
+
+
+def healthy_after(node, tag: str, restores: int) -> dict:  # type: ignore[no-untyped-def]
+    """The workload's report once it has run on and checked its memory since
+    its restore: its counter advanced and it checked its memory."""
+    before = node.lab.status(tag)["counter"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        st = node.lab.status(tag)
+        if st.get("checked_restores", 0) >= restores and st["counter"] > before + 2:
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"no check after the restore: {node.lab.status(tag)}")
+
+
+def test_custom_storage_round_trip_keeps_the_workload_intact(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node, bandwidth_mib_s=200)
+    node.spawn("w", mib=8, check_after_restore=True)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    image = tmp_path / "gpu-memory"
+    t = time.monotonic()
+    out = Caller(node, pid, "checkpoint", image, "--pause")
+    mapped = out.step()
+    # CHECKPOINTING: the range is mapped, the process still holds its memory.
+    assert mapped["state"] == "checkpointing" and mapped["sizes"] == [(8 << 20) + 8]
+    assert out.step()["state"] == "checkpointing"
+    assert used_by(node, pid) == (8 << 20) + 8
+    out.go_on()
+    assert out.finish()[-1] == {"step": "complete", "state": "checkpointed"}
+    took = time.monotonic() - t
+    assert used_by(node, pid) is None  # released at completion
+    assert took >= 8 / 200  # the copy out went at the link's pace
+    assert image.stat().st_size == (8 << 20) + 8
+    steps = run(node, pid, "restore", image)
+    assert [s["state"] for s in steps] == ["restoring", "locked", "running"]
+    st = healthy_after(node, "w", 1)
+    assert st["intact"] and not st["errors"]
+
+
+def test_a_byte_changed_during_the_copy_in_fails_the_memory_check(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node)
+    node.spawn("w", mib=4, check_after_restore=True)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    image = tmp_path / "gpu-memory"
+    assert run(node, pid, "checkpoint", image)[-1]["state"] == "checkpointed"
+    # Chunk 2 of the range (1 MiB chunks): inside the data buffer.
+    steps = run(node, pid, "restore", image, "--flip", str((2 << 20) + 12345))
+    assert steps[-1]["state"] == "running"
+    deadline = time.monotonic() + 20
+    while node.lab.status("w").get("intact", True) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = node.lab.status("w")
+    assert not st["intact"] and "device memory content changed" in st["errors"]
+
+
+def test_custom_storage_needs_retained_contexts_and_another_process(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node)
+    node.spawn("w", mib=2)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    image = tmp_path / "gpu-memory"
+    out = run(node, pid, "checkpoint", image, "--no-retain")
+    assert out == [{"failed": "cuCheckpointProcessCheckpoint", "code": 201}]  # INVALID_CONTEXT
+    state = subprocess.run([str(node.lab.cuda_checkpoint), "--get-state", "--pid", str(pid)],
+                           capture_output=True, text=True)
+    assert state.stdout == "locked\n"  # refused before anything moved
+    out = run(node, pid, "checkpoint", image, "--self")
+    assert out[-1] in ({"failed": "cuCheckpointProcessLock", "code": 3},
+                       {"failed": "cuCheckpointProcessCheckpoint", "code": 801})
+
+
+def test_custom_storage_is_refused_before_cuda_13_4(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=590)  # CUDA 13.1: the pointer is still reserved space
+    node.spawn("w", mib=2)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    out = run(node, pid, "checkpoint", tmp_path / "gpu-memory")
+    assert out == [{"failed": "cuCheckpointProcessCheckpoint", "code": 1}]
+
+
+def test_a_storage_checkpoint_is_not_restored_from_host_memory(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node)
+    node.spawn("w", mib=2)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    run(node, pid, "checkpoint", tmp_path / "gpu-memory")
+    tool = str(node.lab.cuda_checkpoint)
+    r = subprocess.run([tool, "--action", "restore", "--pid", str(pid)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and "invalid argument" in r.stderr
+    got = subprocess.run([tool, "--get-state", "--pid", str(pid)], capture_output=True, text=True)
+    assert got.stdout == "checkpointed\n"
+
+
+PROBE = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+get = lib.cuGetProcAddress_v2
+get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                ctypes.POINTER(ctypes.c_int)]
+for version in (13000, 13040):
+    fn, status = ctypes.c_void_p(), ctypes.c_int(-1)
+    rc = get(b"cuCheckpointOperationComplete", ctypes.byref(fn), version, 0, ctypes.byref(status))
+    print(version, rc, status.value, bool(fn.value))
+"""
+
+
+def test_cu_get_proc_address_gives_operation_complete_from_cuda_13_4_only(make_node) -> None:  # type: ignore[no-untyped-def]
+    def probe(node) -> list[str]:  # type: ignore[no-untyped-def]
+        return subprocess.run([sys.executable, "-c", PROBE, str(node.lab.libcuda)],
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+
+    old = make_node("old", driver=590)
+    # CUDA 13.1: not known at 13.0; asking for 13.4 is newer than the driver.
+    assert probe(old) == ["13000 0 1 False", "13040 1 -1 False"]
+    new = storage_node(make_node, name="new")
+    # CUDA 13.4: found at 13.4; asked for at 13.0, the version is not enough.
+    assert probe(new) == ["13000 0 2 False", "13040 0 0 True"]
