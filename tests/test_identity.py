@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cudahook.flow.registration import add_hooks
 from cudahook.hooks import oci_hook
-from cudahook.hooks.runtime_wrapper import add_hooks
 from cudahook.platform import criuconf, paths
 from cudahook.platform.errors import UsageError
 from cudahook.platform.marks import mark

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from cudahook.admin import hookfiles
-from cudahook.hooks.runtime_wrapper import add_hooks, bundle_of, split
+from cudahook.flow.registration import add_hooks
+from cudahook.hooks.runtime_wrapper import bundle_of, split
 from cudahook.platform.errors import UsageError
 from cudahook.platform.store import container_key
 
