@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `python bench/pN_x.py` from anywhere
-    sys.path.insert(0, str(REPO))
+from bench._checkout import ROOT as REPO
+
+RunFn = Callable[[argparse.Namespace], "Result"]
 
 VENV_PY = REPO / ".venv" / "bin" / "python"
 PYTHON = str(VENV_PY) if VENV_PY.exists() else sys.executable
@@ -263,6 +263,18 @@ def run_main(run: Callable[[argparse.Namespace], Result], parser: argparse.Argum
     return 0
 
 
+def benchmark(bench_id: str, title: str) -> Callable[[RunFn], RunFn]:
+    """Names a benchmark's run(args): execute() reports a run that raises
+    under that id and title."""
+
+    def name(run: RunFn) -> RunFn:
+        run.bench_id = bench_id  # type: ignore[attr-defined]
+        run.title = title  # type: ignore[attr-defined]
+        return run
+
+    return name
+
+
 def execute(run: Callable[[argparse.Namespace], Result], args: argparse.Namespace) -> Result:
     t0 = time.monotonic()
     load0 = os.getloadavg()
@@ -457,6 +469,58 @@ class Runc:
             for cid in out.split():
                 self.delete(cid)
 
+
+
+# -- a simulated GPU node (P3, P6, P7) -------------------------------------------
+
+SIM_DRIVER = 580  # the driver branch every simulated node reports
+
+
+class SimNode:
+    """A simulated GPU node (cudahook.sim.lab.SimLab) and the workloads a
+    benchmark started on it, which sim_node kills before it stops the node."""
+
+    def __init__(self, lab: Any):
+        self.lab = lab
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, tag: str, **opts: Any) -> None:
+        """Start workload `tag` (SimLab.spawn's options; procs=N: N CUDA processes)."""
+        self.procs.append(self.lab.spawn(tag, **opts))
+
+    def pids(self, tag: str, procs: int = 1, timeout: float = 60) -> list[int]:
+        """The pids of workload `tag`'s processes, once each has done GPU work
+        (a workload of N > 1 processes reports them as tag.0 .. tag.N-1)."""
+        tags = [f"{tag}.{i}" for i in range(procs)] if procs > 1 else [tag]
+        return [self.lab.wait_counter(t, timeout=timeout)["pid"] for t in tags]
+
+
+def sim_node_options(p: argparse.ArgumentParser, *, mib: int, bandwidth: float) -> None:
+    """The options that shape a benchmark's simulated node and its workloads."""
+    p.add_argument("--attach-latency", type=float, default=1.0)
+    p.add_argument("--bandwidth", type=float, default=bandwidth, help="MiB/s per GPU link")
+    p.add_argument("--mib", type=int, default=mib, help="device memory per process")
+
+@contextlib.contextmanager
+def sim_node(prefix: str, *, gpus: int, attach_latency: float, bandwidth: float,
+             driver_api: bool = False, **lab_opts: Any) -> Iterator[SimNode]:
+    """A started simulated node under a tmp dir of its own; `driver_api`: the
+    benchmark needs the fake libcuda.so.1 (built from C where the node starts)."""
+    from cudahook.sim.lab import SimLab
+
+    with tmpdir(prefix) as tmp:
+        lab = SimLab(tmp / "node", driver=SIM_DRIVER, gpus=gpus, attach_latency_s=attach_latency,
+                     bandwidth_mib_s=bandwidth, **lab_opts)
+        node = SimNode(lab)
+        try:
+            lab.start()
+            if driver_api and not lab.libcuda.exists():
+                raise RuntimeError("the fake libcuda.so.1 was not built (is gcc installed?)")
+            yield node
+        finally:
+            for p in node.procs:
+                kill_group(p)
+            lab.stop()
 
 # -- cgroups (v1 pids hierarchy or v2), for "containers" without runc ------------
 

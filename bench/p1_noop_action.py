@@ -29,13 +29,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: bench/_checkout.py
+    import _checkout  # noqa: F401
 
 from bench.common import (
     PYTHON,
+    REPO,
     Result,
     arg_parser,
+    benchmark,
     interleave,
     kill_group,
     log,
@@ -49,7 +51,7 @@ from bench.common import (
     write_config,
 )
 
-REPO_S = str(Path(__file__).resolve().parent.parent)
+REPO_S = str(REPO)
 PROTO = Path(__file__).resolve().parent / "prototypes" / "criu-action-fastpath.sh"
 TITLE = "No-op CRIU action vs /bin/sh -c :; hook interpreter start-up vs python -I -c pass"
 
@@ -84,6 +86,7 @@ def new_modules(code: str) -> list[str]:
     return r.stdout.split()
 
 
+@benchmark("P1", TITLE)
 def run(args) -> Result:  # type: ignore[no-untyped-def]
     reps = reps_of(args)
     res = Result("P1", TITLE)
@@ -235,10 +238,6 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
         res.notes.append("py-pass already pays site + the editable-install .pth finder "
                          "(compare py-pass-S)")
     return res
-
-
-run.bench_id = "P1"  # type: ignore[attr-defined]
-run.title = TITLE  # type: ignore[attr-defined]
 
 
 def parser():  # type: ignore[no-untyped-def]

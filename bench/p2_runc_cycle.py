@@ -35,13 +35,14 @@ import sys
 import uuid
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: bench/_checkout.py
+    import _checkout  # noqa: F401
 
 from bench.common import (
     Result,
     Runc,
     arg_parser,
+    benchmark,
     interleave,
     log,
     med,
@@ -54,6 +55,7 @@ from bench.containers import GpuOnlyInstall, Install, TrueInstall, busybox_bundl
 TITLE = "runc checkpoint + restore (busybox, no GPU), cudahook registered vs not"
 
 
+@benchmark("P2", TITLE)
 def run(args) -> Result:  # type: ignore[no-untyped-def]
     from cudahook.sim.bundle import find_criu
 
@@ -188,10 +190,6 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
     if h and n:
         res.notes.append(f"cudahook adds {(h - n) * 1000:.0f} ms per cycle")
     return res
-
-
-run.bench_id = "P2"  # type: ignore[attr-defined]
-run.title = TITLE  # type: ignore[attr-defined]
 
 
 def parser():  # type: ignore[no-untyped-def]

@@ -40,22 +40,22 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: bench/_checkout.py
+    import _checkout  # noqa: F401
 
 from bench.common import (
     Result,
     arg_parser,
+    benchmark,
     fmt_s,
-    kill_group,
     log,
     med,
     reps_of,
     run_main,
+    sim_node,
+    sim_node_options,
     spawn_wait,
-    tmpdir,
 )
 from bench.helper_backend import OneAttachBackend
 
@@ -98,10 +98,10 @@ def step_spans(timeline) -> dict[str, dict[str, float]]:  # type: ignore[no-unty
     }
 
 
+@benchmark("P3", TITLE)
 def run(args) -> Result:  # type: ignore[no-untyped-def]
     from cudahook.core.backends.cli import CudaCheckpointCLI, parse_help
     from cudahook.core.engine import Engine
-    from cudahook.sim.lab import SimLab
 
     reps = reps_of(args)
     ns = [int(x) for x in args.n.split(",")]
@@ -110,133 +110,122 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
     lo, hi = min(ns), max(ns)
     res = Result("P3", TITLE)
     CountingHost = _host_cls()
-    with tmpdir("p3") as tmp:
-        lab = SimLab(tmp / "node", driver=580, gpus=2, attach_latency_s=latency,
-                     bandwidth_mib_s=args.bandwidth)
-        procs = []
-        try:
-            lab.start()
-            pids: dict[int, list[int]] = {}
-            for n in ns:
-                procs.append(lab.spawn(f"n{n}", mib=args.mib, procs=n, interval_ms=200))
-            for n in ns:
-                tags = [f"n{n}.{i}" for i in range(n)] if n > 1 else [f"n{n}"]
-                pids[n] = [lab.wait_counter(t, timeout=60)["pid"] for t in tags]
-            log(f"P3: {sum(len(v) for v in pids.values())} workloads up; attach {latency}s")
-            def group(n: int) -> list[int]:
-                # seq/serial at an N without its own group: the first n of the largest
-                return pids[n] if n in pids else pids[max(ns)][:n]
+    with sim_node("p3", gpus=2, attach_latency=latency, bandwidth=args.bandwidth) as node:
+        lab = node.lab
+        for n in ns:
+            node.spawn(f"n{n}", mib=args.mib, procs=n, interval_ms=200)
+        pids = {n: node.pids(f"n{n}", n) for n in ns}
+        log(f"P3: {sum(len(v) for v in pids.values())} workloads up; attach {latency}s")
+        def group(n: int) -> list[int]:
+            # seq/serial at an N without its own group: the first n of the largest
+            return pids[n] if n in pids else pids[max(ns)][:n]
 
-            settings = lab.settings(call_timeout_s=120.0, lock_timeout_ms=10000)
-            seq_settings = settings.with_overrides(sequential=True)
-            help_text = None
+        settings = lab.settings(call_timeout_s=120.0, lock_timeout_ms=10000)
+        seq_settings = settings.with_overrides(sequential=True)
+        help_text = None
 
-            samples: dict[str, list[float]] = {}
-            spans: dict[str, dict] = {}
-            calls: dict[str, dict[str, int]] = {}
+        samples: dict[str, list[float]] = {}
+        spans: dict[str, dict] = {}
+        calls: dict[str, dict[str, int]] = {}
 
-            def add(name: str, dt: float) -> None:
-                samples.setdefault(name, []).append(dt)
+        def add(name: str, dt: float) -> None:
+            samples.setdefault(name, []).append(dt)
 
-            def engine_phase(n: int, mode: str) -> None:
-                st = seq_settings if mode == "seq" else settings
-                for phase in ("checkpoint", "restore"):
-                    host = CountingHost()
-                    be = (OneAttachBackend(lab.root) if mode == "helper"
-                          else CudaCheckpointCLI(host, st))
-                    eng = Engine(be, st, host)
-                    fn = eng.checkpoint if phase == "checkpoint" else eng.restore
-                    t0 = time.perf_counter()
-                    if mode == "par1help":
-                        be.features  # probe once, before the engine fans out  # noqa: B018
-                    r = fn(group(n))
-                    dt = time.perf_counter() - t0
-                    if not r.ok:
-                        raise RuntimeError(f"{phase} N={n}: {r.errors}")
-                    add(f"{phase}-{mode}-N{n}", dt)
-                    spans[f"{phase}-{mode}-N{n}"] = step_spans(r.timeline)
-                    calls[f"{phase}-{mode}-N{n}"] = dict(host.calls)
-
-            def serial_phase(n: int) -> None:
-                nonlocal help_text
+        def engine_phase(n: int, mode: str) -> None:
+            st = seq_settings if mode == "seq" else settings
+            for phase in ("checkpoint", "restore"):
                 host = CountingHost()
-                if help_text is None:
-                    help_text = host.run([str(lab.cuda_checkpoint), "--help"], 30).stdout
-                be = CudaCheckpointCLI(host, settings, features=parse_help(help_text))
+                be = (OneAttachBackend(lab.root) if mode == "helper"
+                      else CudaCheckpointCLI(host, st))
+                eng = Engine(be, st, host)
+                fn = eng.checkpoint if phase == "checkpoint" else eng.restore
                 t0 = time.perf_counter()
-                for p in group(n):
-                    be.lock(p, settings.lock_timeout_ms)
-                    be.checkpoint(p)
-                add(f"checkpoint-serial-N{n}", time.perf_counter() - t0)
+                if mode == "par1help":
+                    be.features  # probe once, before the engine fans out  # noqa: B018
+                r = fn(group(n))
+                dt = time.perf_counter() - t0
+                if not r.ok:
+                    raise RuntimeError(f"{phase} N={n}: {r.errors}")
+                add(f"{phase}-{mode}-N{n}", dt)
+                spans[f"{phase}-{mode}-N{n}"] = step_spans(r.timeline)
+                calls[f"{phase}-{mode}-N{n}"] = dict(host.calls)
+
+        def serial_phase(n: int) -> None:
+            nonlocal help_text
+            host = CountingHost()
+            if help_text is None:
+                help_text = host.run([str(lab.cuda_checkpoint), "--help"], 30).stdout
+            be = CudaCheckpointCLI(host, settings, features=parse_help(help_text))
+            t0 = time.perf_counter()
+            for p in group(n):
+                be.lock(p, settings.lock_timeout_ms)
+                be.checkpoint(p)
+            add(f"checkpoint-serial-N{n}", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for p in group(n):
+                be.restore(p)
+                be.unlock(p)
+            add(f"restore-serial-N{n}", time.perf_counter() - t0)
+
+        # 1. the headline: parallel engine at every N, interleaved
+        for r in range(reps):
+            order = ns[r % len(ns):] + ns[:r % len(ns)]
+            if r % 2:
+                order.reverse()
+            for n in order:
+                modes = ["par", "helper", "par1help"]
+                if args.no_helper:
+                    modes.remove("helper")
+                if n not in (lo, hi):
+                    modes.remove("par1help")  # only for the headline ratio
+                k = (r + n) % len(modes)
+                for mode in modes[k:] + modes[:k]:
+                    engine_phase(n, mode)
+            log(f"P3 parallel rep {r + 1}/{reps}: " + ", ".join(
+                f"N{n} {fmt_s(samples[f'checkpoint-par-N{n}'][-1])}/"
+                f"{fmt_s(samples[f'restore-par-N{n}'][-1])}" for n in ns))
+
+        # 2. comparison strategies (linear in N: small N, one rep, interleaved)
+        if not args.no_serial:
+            for n in small:
+                for mode in (("seq", "serial") if n % 2 else ("serial", "seq")):
+                    if mode == "seq" and n == 1:
+                        continue  # one process: seq is par (measured above)
+                    if mode == "seq":
+                        engine_phase(n, "seq")
+                    else:
+                        serial_phase(n)
+                log(f"P3 seq/serial N={n} done")
+
+        # 3. the fake tool's own cost, and engine overhead, at attach latency 0
+        lab.set(attach_latency_s=0.0)
+        try:
+            one = pids[ns[0]][0]
+            argv = [str(lab.cuda_checkpoint), "--get-state", "--pid", str(one)]
+            single = [spawn_wait(argv)[0] for _ in range(15)]
+            burst_n = max(ns)
+            burst = []
+            for _ in range(5):
                 t0 = time.perf_counter()
-                for p in group(n):
-                    be.restore(p)
-                    be.unlock(p)
-                add(f"restore-serial-N{n}", time.perf_counter() - t0)
-
-            # 1. the headline: parallel engine at every N, interleaved
-            for r in range(reps):
-                order = ns[r % len(ns):] + ns[:r % len(ns)]
-                if r % 2:
-                    order.reverse()
-                for n in order:
-                    modes = ["par", "helper", "par1help"]
-                    if args.no_helper:
-                        modes.remove("helper")
-                    if n not in (lo, hi):
-                        modes.remove("par1help")  # only for the headline ratio
-                    k = (r + n) % len(modes)
-                    for mode in modes[k:] + modes[:k]:
-                        engine_phase(n, mode)
-                log(f"P3 parallel rep {r + 1}/{reps}: " + ", ".join(
-                    f"N{n} {fmt_s(samples[f'checkpoint-par-N{n}'][-1])}/"
-                    f"{fmt_s(samples[f'restore-par-N{n}'][-1])}" for n in ns))
-
-            # 2. comparison strategies (linear in N: small N, one rep, interleaved)
-            if not args.no_serial:
-                for n in small:
-                    for mode in (("seq", "serial") if n % 2 else ("serial", "seq")):
-                        if mode == "seq" and n == 1:
-                            continue  # one process: seq is par (measured above)
-                        if mode == "seq":
-                            engine_phase(n, "seq")
-                        else:
-                            serial_phase(n)
-                    log(f"P3 seq/serial N={n} done")
-
-            # 3. the fake tool's own cost, and engine overhead, at attach latency 0
-            lab.set(attach_latency_s=0.0)
-            try:
-                one = pids[ns[0]][0]
-                argv = [str(lab.cuda_checkpoint), "--get-state", "--pid", str(one)]
-                single = [spawn_wait(argv)[0] for _ in range(15)]
-                burst_n = max(ns)
-                burst = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    ths = [threading.Thread(target=spawn_wait, args=(argv,)) for _ in range(burst_n)]
-                    for t in ths:
-                        t.start()
-                    for t in ths:
-                        t.join()
-                    burst.append(time.perf_counter() - t0)
-                samples["tool-get-state-lat0"] = single
-                samples[f"tool-burst{burst_n}-lat0"] = burst
-                for _ in range(2):
-                    for n in (min(ns), max(ns)):
-                        for phase in ("checkpoint", "restore"):
-                            host = CountingHost()
-                            eng = Engine(CudaCheckpointCLI(host, settings), settings, host)
-                            fn = eng.checkpoint if phase == "checkpoint" else eng.restore
-                            t0 = time.perf_counter()
-                            fn(pids[n])
-                            add(f"{phase}-par-N{n}-lat0", time.perf_counter() - t0)
-            finally:
-                lab.set(attach_latency_s=latency)
+                ths = [threading.Thread(target=spawn_wait, args=(argv,)) for _ in range(burst_n)]
+                for t in ths:
+                    t.start()
+                for t in ths:
+                    t.join()
+                burst.append(time.perf_counter() - t0)
+            samples["tool-get-state-lat0"] = single
+            samples[f"tool-burst{burst_n}-lat0"] = burst
+            for _ in range(2):
+                for n in (min(ns), max(ns)):
+                    for phase in ("checkpoint", "restore"):
+                        host = CountingHost()
+                        eng = Engine(CudaCheckpointCLI(host, settings), settings, host)
+                        fn = eng.checkpoint if phase == "checkpoint" else eng.restore
+                        t0 = time.perf_counter()
+                        fn(pids[n])
+                        add(f"{phase}-par-N{n}-lat0", time.perf_counter() - t0)
         finally:
-            for p in procs:
-                kill_group(p)
-            lab.stop()
+            lab.set(attach_latency_s=latency)
 
     descr = {}
     for k in samples:
@@ -312,10 +301,6 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
     return res
 
 
-run.bench_id = "P3"  # type: ignore[attr-defined]
-run.title = TITLE  # type: ignore[attr-defined]
-
-
 def parser():  # type: ignore[no-untyped-def]
     p = arg_parser(__doc__.split("\n")[0], reps=2, quick_reps=1)
     p.add_argument("--n", default="1,8,32", help="process counts (default 1,8,32)")
@@ -326,9 +311,7 @@ def parser():  # type: ignore[no-untyped-def]
     p.add_argument("--no-serial", action="store_true", help="skip the seq/serial comparison")
     p.add_argument("--no-helper", action="store_true",
                    help="skip the one-attach-per-phase prototype backend")
-    p.add_argument("--attach-latency", type=float, default=1.0)
-    p.add_argument("--bandwidth", type=float, default=2000.0, help="MiB/s")
-    p.add_argument("--mib", type=int, default=4, help="device memory per process")
+    sim_node_options(p, mib=4, bandwidth=2000.0)
     return p
 
 

@@ -29,13 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: bench/_checkout.py
+    import _checkout  # noqa: F401
 
 from bench.common import (
     PYTHON,
     Result,
     arg_parser,
+    benchmark,
     kill_group,
     log,
     make_cgroup,
@@ -177,6 +178,7 @@ def _ns_members(init: int) -> list[int]:
     return out
 
 
+@benchmark("P4", TITLE)
 def run(args) -> Result:  # type: ignore[no-untyped-def]
     from cudahook.core.discovery import container_pids, discover
     from cudahook.platform.host import Host
@@ -278,10 +280,6 @@ def _wait_gone(n: int, timeout: float = 60) -> None:
         if now < n or now == base:
             return
         base = now
-
-
-run.bench_id = "P4"  # type: ignore[attr-defined]
-run.title = TITLE  # type: ignore[attr-defined]
 
 
 def parser():  # type: ignore[no-untyped-def]

@@ -22,14 +22,15 @@ import sys
 import uuid
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: bench/_checkout.py
+    import _checkout  # noqa: F401
 
 from bench.common import (
     PYTHON,
     Result,
     Runc,
     arg_parser,
+    benchmark,
     interleave,
     log,
     reps_of,
@@ -43,6 +44,7 @@ from cudahook.sim.bundle import make_bundle
 TITLE = "Container start: runc run (busybox `true`) with vs without the OCI hooks"
 
 
+@benchmark("P5", TITLE)
 def run(args) -> Result:  # type: ignore[no-untyped-def]
     reps = reps_of(args)
     res = Result("P5", TITLE)
@@ -144,10 +146,6 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
         res.notes.append(f"hooks add {(h - n) * 1000:.0f} ms per container; the two hook runs "
                          f"alone: createRuntime {c * 1000:.0f} ms + poststop {p * 1000:.0f} ms")
     return res
-
-
-run.bench_id = "P5"  # type: ignore[attr-defined]
-run.title = TITLE  # type: ignore[attr-defined]
 
 
 def parser():  # type: ignore[no-untyped-def]

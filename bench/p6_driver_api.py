@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import sys
 
-if __package__ in (None, ""):
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: bench/_checkout.py
+    import _checkout  # noqa: F401
 
 from bench.common import (
+    SIM_DRIVER,
     Result,
     arg_parser,
-    kill_group,
+    benchmark,
     log,
     reps_of,
     run_main,
+    sim_node,
+    sim_node_options,
     timed_phase,
-    tmpdir,
 )
 
 TITLE = "driver-API backend vs CLI backend: checkpoint and restore phases at N=8"
@@ -38,41 +38,30 @@ TARGET = 0.35
 BACKENDS = ("cli", "driver-api")
 
 
+@benchmark("P6", TITLE)
 def run(args) -> Result:  # type: ignore[no-untyped-def]
-    from cudahook.sim.lab import SimLab
-
     reps = reps_of(args)
     n = args.n
     res = Result("P6", TITLE)
     samples: dict[str, list[float]] = {}
     attaches: dict[str, int] = {}
-    with tmpdir("p6") as tmp:
-        lab = SimLab(tmp / "node", driver=580, gpus=2, attach_latency_s=args.attach_latency,
-                     bandwidth_mib_s=args.bandwidth)
-        proc = None
-        try:
-            lab.start()
-            if not lab.libcuda.exists():
-                raise RuntimeError("the fake libcuda.so.1 was not built (is gcc installed?)")
-            proc = lab.spawn("w", mib=args.mib, procs=n, interval_ms=200)
-            tags = [f"w.{i}" for i in range(n)] if n > 1 else ["w"]
-            pids = [lab.wait_counter(t, timeout=60)["pid"] for t in tags]
-            log(f"P6: {n} processes up; attach {args.attach_latency}s")
-            for r in range(reps):
-                order = list(BACKENDS[r % 2:] + BACKENDS[:r % 2])
-                for kind in order:
-                    settings = lab.settings(backend=kind, call_timeout_s=120.0,
-                                            lock_timeout_ms=10000)
-                    for phase in ("checkpoint", "restore"):
-                        dt, backend = timed_phase(settings, phase, pids)
-                        samples.setdefault(f"{phase}-{kind}-N{n}", []).append(dt)
-                        if hasattr(backend, "attaches"):
-                            attaches[f"{phase}-{kind}"] = backend.attaches
-                log(f"P6 rep {r + 1}/{reps}: " + ", ".join(
-                    f"{k} {v[-1]:.2f}s" for k, v in samples.items()))
-        finally:
-            kill_group(proc)
-            lab.stop()
+    with sim_node("p6", gpus=2, attach_latency=args.attach_latency, bandwidth=args.bandwidth,
+                  driver_api=True) as node:
+        node.spawn("w", mib=args.mib, procs=n, interval_ms=200)
+        pids = node.pids("w", n)
+        log(f"P6: {n} processes up; attach {args.attach_latency}s")
+        for r in range(reps):
+            order = list(BACKENDS[r % 2:] + BACKENDS[:r % 2])
+            for kind in order:
+                settings = node.lab.settings(backend=kind, call_timeout_s=120.0,
+                                             lock_timeout_ms=10000)
+                for phase in ("checkpoint", "restore"):
+                    dt, backend = timed_phase(settings, phase, pids)
+                    samples.setdefault(f"{phase}-{kind}-N{n}", []).append(dt)
+                    if hasattr(backend, "attaches"):
+                        attaches[f"{phase}-{kind}"] = backend.attaches
+            log(f"P6 rep {r + 1}/{reps}: " + ", ".join(
+                f"{k} {v[-1]:.2f}s" for k, v in samples.items()))
     res.add_samples(samples, {
         f"{p}-{k}-N{n}": f"Engine.{p} over {n} processes through the {k} backend"
         for p in ("checkpoint", "restore") for k in BACKENDS})
@@ -81,20 +70,14 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                   f"{phase}-cli-N{n}", TARGET)
     res.notes.append(f"driver attaches per driver-api phase: {attaches}")
     res.extra["settings"] = {"attach_latency_s": args.attach_latency, "n": n, "mib": args.mib,
-                             "bandwidth_mib_s": args.bandwidth, "driver": 580, "gpus": 2}
+                             "bandwidth_mib_s": args.bandwidth, "driver": SIM_DRIVER, "gpus": 2}
     return res
-
-
-run.bench_id = "P6"  # type: ignore[attr-defined]
-run.title = TITLE  # type: ignore[attr-defined]
 
 
 def parser():  # type: ignore[no-untyped-def]
     p = arg_parser(__doc__.split("\n")[0], reps=3, quick_reps=1)
     p.add_argument("--n", type=int, default=8, help="CUDA processes (default 8)")
-    p.add_argument("--attach-latency", type=float, default=1.0)
-    p.add_argument("--bandwidth", type=float, default=2000.0, help="MiB/s per GPU link")
-    p.add_argument("--mib", type=int, default=4, help="device memory per process")
+    sim_node_options(p, mib=4, bandwidth=2000.0)
     return p
 
 

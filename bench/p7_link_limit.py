@@ -16,74 +16,64 @@ from __future__ import annotations
 
 import sys
 
-if __package__ in (None, ""):
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: bench/_checkout.py
+    import _checkout  # noqa: F401
 
 from bench.common import (
+    SIM_DRIVER,
     Result,
     arg_parser,
-    kill_group,
+    benchmark,
     log,
     reps_of,
     run_main,
+    sim_node,
+    sim_node_options,
     timed_phase,
-    tmpdir,
 )
 
 TITLE = "checkpoint+restore of 8 processes on 8 GPUs vs the physical limit"
 TARGET = 1.15
 
 
+@benchmark("P7", TITLE)
 def run(args) -> Result:  # type: ignore[no-untyped-def]
-    from cudahook.sim.lab import SimLab
-
     reps = reps_of(args)
     gpus = args.gpus
     res = Result("P7", TITLE)
     samples: dict[str, list[float]] = {}
     kinds = ["driver-api"] + ([] if args.no_cli else ["cli"])
-    with tmpdir("p7") as tmp:
-        lab = SimLab(tmp / "node", driver=580, gpus=gpus, memory_mib=max(1024, 2 * args.mib),
-                     attach_latency_s=args.attach_latency, bandwidth_mib_s=args.bandwidth)
-        procs = []
-        try:
-            lab.start()
-            if not lab.libcuda.exists():
-                raise RuntimeError("the fake libcuda.so.1 was not built (is gcc installed?)")
-            for i in range(gpus):
-                # Quiet workloads: a memory check of hundreds of MiB would load
-                # the CPUs, so they check only after each restore, and the
-                # benchmark waits for those checks outside the timed phases.
-                procs.append(lab.spawn(f"g{i}", mib=args.mib, gpu=i, interval_ms=500,
-                                       check_every=100000, check_after_restore=True))
-            pids = [lab.wait_counter(f"g{i}", timeout=120)["pid"] for i in range(gpus)]
-            log(f"P7: {gpus} processes, {args.mib} MiB each, one per GPU")
-            restores = 0
-            for r in range(reps):
-                order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
-                for kind in order:
-                    settings = lab.settings(backend=kind, call_timeout_s=300.0,
-                                            lock_timeout_ms=10000)
-                    cycle = 0.0
-                    for phase in ("checkpoint", "restore"):
-                        dt, _ = timed_phase(settings, phase, pids)
-                        samples.setdefault(f"{phase}-{kind}", []).append(dt)
-                        cycle += dt
-                    samples.setdefault(f"cycle-{kind}", []).append(cycle)
-                    restores += 1
-                    verify(lab, gpus, restores)
-                log(f"P7 rep {r + 1}/{reps}: " + ", ".join(
-                    f"{k} {v[-1]:.2f}s" for k, v in samples.items() if k.startswith("cycle")))
-            for i in range(gpus):
-                st = lab.status(f"g{i}")
-                if st.get("errors"):
-                    raise RuntimeError(f"workload g{i} reports errors: {st['errors']}")
-        finally:
-            for p in procs:
-                kill_group(p)
-            lab.stop()
+    with sim_node("p7", gpus=gpus, attach_latency=args.attach_latency, bandwidth=args.bandwidth,
+                  driver_api=True, memory_mib=max(1024, 2 * args.mib)) as node:
+        lab = node.lab
+        for i in range(gpus):
+            # Quiet workloads: a memory check of hundreds of MiB would load
+            # the CPUs, so they check only after each restore, and the
+            # benchmark waits for those checks outside the timed phases.
+            node.spawn(f"g{i}", mib=args.mib, gpu=i, interval_ms=500,
+                       check_every=100000, check_after_restore=True)
+        pids = [pid for i in range(gpus) for pid in node.pids(f"g{i}", timeout=120)]
+        log(f"P7: {gpus} processes, {args.mib} MiB each, one per GPU")
+        restores = 0
+        for r in range(reps):
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+            for kind in order:
+                settings = lab.settings(backend=kind, call_timeout_s=300.0,
+                                        lock_timeout_ms=10000)
+                cycle = 0.0
+                for phase in ("checkpoint", "restore"):
+                    dt, _ = timed_phase(settings, phase, pids)
+                    samples.setdefault(f"{phase}-{kind}", []).append(dt)
+                    cycle += dt
+                samples.setdefault(f"cycle-{kind}", []).append(cycle)
+                restores += 1
+                verify(lab, gpus, restores)
+            log(f"P7 rep {r + 1}/{reps}: " + ", ".join(
+                f"{k} {v[-1]:.2f}s" for k, v in samples.items() if k.startswith("cycle")))
+        for i in range(gpus):
+            st = lab.status(f"g{i}")
+            if st.get("errors"):
+                raise RuntimeError(f"workload g{i} reports errors: {st['errors']}")
     per_phase = args.attach_latency + args.mib / args.bandwidth
     samples["limit-phase"] = [per_phase]
     samples["limit-cycle"] = [2 * per_phase]
@@ -98,7 +88,7 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
     if not args.no_cli:
         res.ratio("cycle cli/limit", "cycle-cli", "limit-cycle", None, headline=False)
     res.extra["settings"] = {"attach_latency_s": args.attach_latency, "gpus": gpus,
-                             "mib": args.mib, "bandwidth_mib_s": args.bandwidth, "driver": 580}
+                             "mib": args.mib, "bandwidth_mib_s": args.bandwidth, "driver": SIM_DRIVER}
     return res
 
 
@@ -121,16 +111,10 @@ def verify(lab, gpus: int, restores: int) -> None:  # type: ignore[no-untyped-de
             time.sleep(0.05)
 
 
-run.bench_id = "P7"  # type: ignore[attr-defined]
-run.title = TITLE  # type: ignore[attr-defined]
-
-
 def parser():  # type: ignore[no-untyped-def]
     p = arg_parser(__doc__.split("\n")[0], reps=3, quick_reps=1)
     p.add_argument("--gpus", type=int, default=8, help="GPUs, one process each (default 8)")
-    p.add_argument("--mib", type=int, default=512, help="device memory per process")
-    p.add_argument("--bandwidth", type=float, default=1024.0, help="MiB/s per GPU link")
-    p.add_argument("--attach-latency", type=float, default=1.0)
+    sim_node_options(p, mib=512, bandwidth=1024.0)
     p.add_argument("--no-cli", action="store_true", help="skip the CLI reference cycle")
     return p
 

@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file: bench/_checkout.py
+    import _checkout  # noqa: F401
 
 from bench.common import fmt_s as fmt
 

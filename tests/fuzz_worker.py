@@ -12,20 +12,34 @@ Entry points: "oci" (the OCI hook), "criu" (the CRIU action script), "cli"
 (the admin command line), "wrapper" (the runtime wrapper: its exec of runc is
 stopped and reported, runc itself is not under test), "kill_same" (the one
 function that signals a container's processes, for the guard's own test).
+
+The test modules import the other end from here: Worker (which starts this
+file and kills it on a hang), the bounds every reply is held to
+(assert_bounded), and the fresh node root each example runs under.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
 import resource
+import select
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
+from typing import Any
+
+MEMORY_LIMIT = 2 << 30  # address space of the worker and of each hook process
+SLOW_S = 8.0  # no call may take longer (the longest deadline cudahook has is 10 s)
+HANG_S = 2 * SLOW_S  # past this a call is a hang: the worker is killed and the case fails
 
 
 class Exec(BaseException):
@@ -153,6 +167,78 @@ def main() -> int:
                               "exec": execs}) + "\n")
         out.flush()
     return 0
+
+
+# -- the tests' end ---------------------------------------------------------------------------
+
+
+class Worker:
+    """The in-process worker; a call that outlives its deadline kills it (and
+    everything it started) and comes back as a hang, and the next call starts
+    a fresh one."""
+
+    def __init__(self) -> None:
+        self.proc = self._start()
+
+    @staticmethod
+    def _start() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__), str(MEMORY_LIMIT)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                cwd="/", start_new_session=True)
+
+    def call(self, case: dict[str, Any], timeout: float = HANG_S) -> dict[str, Any]:
+        if self.proc.poll() is not None:
+            self.proc = self._start()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(case) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.kill()
+            return {"rc": None, "stderr": "", "stdout": "", "seconds": timeout, "raised": None,
+                    "refused": [], "hang": True}
+        line = self.proc.stdout.readline()
+        assert line, f"the worker died (exit {self.proc.wait()}) on {case}"
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def assert_bounded(result: dict[str, Any], case: str) -> None:
+    """What every entry point owes every input, whatever its exit: an answer
+    within HANG_S, nothing escaping it, done within SLOW_S, and no signal to
+    a process that is not the container's."""
+    assert not result.get("hang"), f"no answer within {HANG_S}s: {case}"
+    assert result["raised"] is None, f"{case}\n{result['raised']}"
+    assert result["seconds"] < SLOW_S, (result["seconds"], case)
+    assert not result.get("refused"), (result["refused"], case)
+
+
+COUNTER = iter(range(10**9))
+
+
+def new_root(base: Path, *dirs: str) -> Path:
+    """A node root of its own for one example (CUDAHOOK_ROOT): var/log, run
+    and `dirs`, all empty."""
+    root = base / f"case{next(COUNTER)}"
+    if root.exists():
+        shutil.rmtree(root)
+    for d in ("var/log", "run", *dirs):
+        (root / d).mkdir(parents=True)
+    return root
 
 
 if __name__ == "__main__":

@@ -129,14 +129,16 @@ def _alias_bomb() -> str:
     return "\n".join(lines) + "\n"
 
 
+# (case, key, YAML spelling): a number YAML reads as NaN or infinite.
+NON_FINITE = [("nan", "call_timeout_s", ".nan"), ("inf", "vmm_timeout_s", ".inf"),
+              ("negative_inf", "guardian_wait_s", "-.inf"), ("nan_wait", "guardian_wait_s", ".nan"),
+              ("nan_retention", "state_retention_s", ".NaN")]
+
+
 @pytest.mark.parametrize(("case", "content", "words"), [
     ("alias_bomb", _alias_bomb(), "anchors and aliases are not allowed"),
     ("alias_in_a_value", "x: &a 5\nmax_parallel: *a\n", "anchors and aliases"),
-    ("nan", "call_timeout_s: .nan\n", "call_timeout_s: not a finite number"),
-    ("inf", "vmm_timeout_s: .inf\n", "vmm_timeout_s: not a finite number"),
-    ("negative_inf", "guardian_wait_s: -.inf\n", "guardian_wait_s: not a finite number"),
-    ("nan_wait", "guardian_wait_s: .nan\n", "guardian_wait_s: not a finite number"),
-    ("nan_retention", "state_retention_s: .NaN\n", "state_retention_s: not a finite number"),
+    *[(case, f"{key}: {value}\n", f"{key}: not a finite number") for case, key, value in NON_FINITE],
     ("huge_integer", "max_parallel: " + "9" * 5000 + "\n", "too many digits"),
     ("large_integer", "lock_timeout_ms: " + "9" * 4000 + "\n", "lock_timeout_ms"),
     ("huge_float", "call_timeout_s: 1e300\n", "call_timeout_s"),

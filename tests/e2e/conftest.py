@@ -131,6 +131,35 @@ def make_env(tmp_path: Path) -> Iterator[Any]:
         e.close()
 
 
+@pytest.fixture
+def gpu_only_env(make_env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Env:
+    """An Env under a node root of its own (CUDAHOOK_ROOT), cudahook
+    configured for runc with `--criu-registration gpu-only` over the
+    operator's runc.conf: CRIU runs the action script only for the
+    containers the runtime wrapper (wrapped_runc) registers."""
+    from cudahook.admin.configure import configure
+
+    root = tmp_path / "root"
+    (root / "etc/criu").mkdir(parents=True)
+    (root / "etc/criu/runc.conf").write_text("tcp-established\n")
+    monkeypatch.setenv("CUDAHOOK_ROOT", str(root))
+    env: Env = make_env()
+    configure("runc", env.hooks, root=str(root), criu_registration="gpu-only")
+    return env
+
+
+def wrapped_runc(work: Path, lab: SimLab, hooks: Path) -> RuncBox:
+    """runc under a root of its own (`work`), started through the runtime
+    wrapper installed in `hooks` (cudahook-runtime), as a runtime configured
+    for it starts runc."""
+    return RuncBox(work, lab, criu=CRIU, runc=str(hooks / "cudahook-runtime"))
+
+
+def dump_log(image: Path) -> str:
+    """CRIU's log of the dump into `image` (runc keeps it in <image>.work)."""
+    return (Path(f"{image}.work") / "dump.log").read_text(errors="replace")
+
+
 def tree_digest(path: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):

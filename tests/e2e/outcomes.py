@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from cudahook.sim.lab import SimLab
 
 # How long a fault's aftermath may take to settle (a guardian resuming
@@ -94,6 +96,13 @@ def workload_pids(lab: SimLab, cid: str, tags: list[str]) -> dict[str, int | Non
     """Each workload's live host PID in that container (None: not alive)."""
     by_nspid = {ns: pid for pid, ns in container_pids(cid).items()}
     return {t: by_nspid.get(lab.status(t).get("pid", -1)) for t in tags}
+
+
+def fresh_reports(lab: SimLab, tags: list[str]) -> None:
+    """Remove the workloads' status files: from now on only a process that
+    reports afresh under one of `tags` can satisfy a wait on it."""
+    for t in tags:
+        (lab.status_dir / f"{t}.json").unlink(missing_ok=True)
 
 
 def sim_state(lab: SimLab, pid: int) -> str:
@@ -171,8 +180,7 @@ def restore_and_check(env: Any, cid: str, bundle: Path, image: Path, tags: list[
     env.lab.clear_faults()
     if env.box.state(cid) is not None:
         env.box.delete(cid)
-    for t in tags:
-        (env.lab.status_dir / f"{t}.json").unlink(missing_ok=True)
+    fresh_reports(env.lab, tags)
     r = env.box.restore(cid, bundle, image)
     assert r.returncode == 0, r.stderr
     assert env.box.state(cid)["status"] == "running"
@@ -191,3 +199,39 @@ def assert_dumped(env: Any, cid: str, tags: list[str]) -> dict[str, int]:
         f"processes still alive after the dump: {container_pids(cid)}"
     assert env.box.state(cid) is None
     return env.counters(tags)
+
+
+class SharedBoxes:
+    """The containers a fault matrix's cases share on one node (`env`, an
+    e2e Env): each case configures the backend and the matrix's short
+    deadlines; a container is run, or checkpointed into a shared image, only
+    as a check that can fail."""
+
+    deadlines: dict[str, float] = {}
+
+    def __init__(self, env: Any, tmp: Path):
+        self.env = env
+        self.tmp = tmp
+        self.count = 0
+
+    def configure(self, backend: str) -> None:
+        cfg = yaml.safe_load(self.env.config.read_text())
+        cfg.update(self.deadlines, backend=backend)
+        self.env.config.write_text(yaml.safe_dump(cfg))
+
+    def run(self, bundle: Path, tags: list[str]) -> str:
+        """A new container of `bundle`, once each of its workloads (`tags`)
+        has made progress; its id."""
+        fresh_reports(self.env.lab, tags)  # a tag is reused by a recreated container
+        cid = self.env.cid()
+        r = self.env.box.run(cid, bundle)
+        assert r.returncode == 0, r.stderr
+        self.env.wait_running(tags, steps=3)
+        return cid
+
+    def dump(self, cid: str, image: Path, tags: list[str]) -> dict[str, int]:
+        """Checkpoint the container into `image`, which must succeed (see
+        assert_dumped): the counters a restore must go on from."""
+        r = self.env.box.checkpoint(cid, image)
+        assert r.returncode == 0, r.stderr
+        return assert_dumped(self.env, cid, tags)

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from cudahook.admin.configure import configure
 from cudahook.admin.journal import Journal
 from cudahook.platform import criuconf, paths
 from cudahook.platform.store import Store, container_key
 from cudahook.sim.runcbox import RuncBox
 
-from .conftest import CRIU, needs_runc, private_node
+from .conftest import Env, dump_log, needs_runc, private_node, wrapped_runc
 
 pytestmark = needs_runc
 
@@ -25,15 +24,9 @@ NAME = "web"
 
 
 @pytest.fixture
-def node(make_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    root = tmp_path / "root"
-    (root / "etc/criu").mkdir(parents=True)
-    (root / "etc/criu/runc.conf").write_text("tcp-established\n")
-    monkeypatch.setenv("CUDAHOOK_ROOT", str(root))
-    env = make_env()
-    configure("runc", env.hooks, root=str(root), criu_registration="gpu-only")
-    wrapper = str(env.hooks / "cudahook-runtime")
-    boxes = [RuncBox(tmp_path / f"runc-{n}", env.lab, criu=CRIU, runc=wrapper) for n in "ab"]
+def node(gpu_only_env: Env, tmp_path: Path):  # type: ignore[no-untyped-def]
+    env = gpu_only_env
+    boxes = [wrapped_runc(tmp_path / f"runc-{n}", env.lab, env.hooks) for n in "ab"]
     yield env, boxes
     for box in boxes:
         box.close()
@@ -46,10 +39,6 @@ def own_cgroup(bundle: Path, where: str) -> None:
     cfg = json.loads(path.read_text())
     cfg.setdefault("linux", {})["cgroupsPath"] = f"/cudahook-test-{where}/{NAME}"
     path.write_text(json.dumps(cfg))
-
-
-def dump_log(image: Path) -> str:
-    return (Path(f"{image}.work") / "dump.log").read_text(errors="replace")
 
 
 def test_two_runc_roots_one_name(node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -78,26 +67,27 @@ def test_two_runc_roots_one_name(node, tmp_path: Path) -> None:  # type: ignore[
     assert len(Store(env.state_dir).records()) == 2
     env.wait_running(tags["a"] + tags["b"], steps=3)
 
+    def dumped(n: str, box: RuncBox) -> Path:
+        """`n`'s checkpoint, run by CRIU with its own copy's options and
+        cudahook's action script; the dump ended the container. The image."""
+        image = tmp_path / f"img-{n}"
+        r = box.checkpoint(NAME, image)
+        assert r.returncode == 0, r.stderr
+        log = dump_log(image)
+        assert script in log and f"Parsing config file {copies[n]}" in log
+        assert (image / "cudahook-manifest.json").exists()
+        assert box.state(NAME) is None
+        return image
+
     # a's dump ends a, and a's poststop runs: b's copy and record stay.
-    image_a = tmp_path / "img-a"
-    r = box_a.checkpoint(NAME, image_a)
-    assert r.returncode == 0, r.stderr
-    log = dump_log(image_a)
-    assert script in log and f"Parsing config file {copies['a']}" in log
-    assert (image_a / "cudahook-manifest.json").exists()
-    assert box_a.state(NAME) is None and not copies["a"].exists()
+    image_a = dumped("a", box_a)
+    assert not copies["a"].exists()
     assert copies["b"].exists()
     assert [r["bundle"] for r in Store(env.state_dir).records()] == [str(bundles["b"])]
     frozen_a = env.counters(tags["a"])
 
     # b's checkpoint still runs the action script, with b's own options.
-    image_b = tmp_path / "img-b"
-    r = box_b.checkpoint(NAME, image_b)
-    assert r.returncode == 0, r.stderr
-    log = dump_log(image_b)
-    assert script in log and f"Parsing config file {copies['b']}" in log
-    assert (image_b / "cudahook-manifest.json").exists()
-    assert box_b.state(NAME) is None
+    image_b = dumped("b", box_b)
     frozen_b = env.counters(tags["b"])
     assert len(env.events("checkpoint")) == 2
 
@@ -137,8 +127,7 @@ def test_runc_and_containerd_one_name(tmp_path: Path) -> None:
             Containerd(tmp_path / "containerd", path_prefix=node.libexec / "runc-path") as c:
         spec = gpu_spec(node.lab, "ctd")
         _, task_bundle = run_gpu_task(node, c, image, spec, NAME)
-        box = RuncBox(tmp_path / "runc", node.lab, criu=CRIU,
-                      runc=str(node.libexec / "cudahook-runtime"))
+        box = wrapped_runc(tmp_path / "runc", node.lab, node.libexec)
         try:
             bundle = box.bundle("gpu", [("rc.w", {"mib": 2})], action_script="system")
             r = box.run(NAME, bundle)

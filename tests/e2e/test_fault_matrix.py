@@ -39,11 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from .conftest import Env, needs_runc, private_node
 from .outcomes import (
-    assert_dumped,
+    SharedBoxes,
     assert_nothing_restored,
     assert_running_and_intact,
     image_hashes,
@@ -153,18 +152,13 @@ class Box:
     frozen: dict[str, int] = field(default_factory=dict)
 
 
-class Matrix:
+class Matrix(SharedBoxes):
+    deadlines = DEADLINES
+
     def __init__(self, env: Env, tmp: Path):
-        self.env = env
-        self.tmp = tmp
+        super().__init__(env, tmp)
         self.live: dict[str, Box] = {}
         self.images: dict[str, Box] = {}
-        self.count = 0
-
-    def configure(self, backend: str) -> None:
-        cfg = yaml.safe_load(self.env.config.read_text())
-        cfg.update(DEADLINES, backend=backend)
-        self.env.config.write_text(yaml.safe_dump(cfg))
 
     def start(self, prefix: str, workload: str, others: tuple[str, ...] = (),
               annotations: dict[str, str] | None = None) -> Box:
@@ -179,13 +173,7 @@ class Matrix:
         bundle = self.env.box.bundle(name, [(prefix, opts)], others=list(others),
                                      snapshot_control=control, annotations=annotations)
         tags = [f"{prefix}.{i}" for i in range(PROCS)]
-        for t in tags:  # a tag is reused by a recreated container: fresh reports only
-            (self.env.lab.status_dir / f"{t}.json").unlink(missing_ok=True)
-        cid = self.env.cid()
-        r = self.env.box.run(cid, bundle)
-        assert r.returncode == 0, r.stderr
-        self.env.wait_running(tags, steps=3)
-        return Box(cid, bundle, tags)
+        return Box(self.run(bundle, tags), bundle, tags)
 
     def live_box(self, workload: str) -> Box:
         """The shared running container for checkpoint-side cases."""
@@ -203,9 +191,7 @@ class Matrix:
         if box is None:
             box = self.start("r" if workload == "plain" else "rv", workload)
             box.image = self.tmp / f"image-{workload}"
-            r = self.env.box.checkpoint(box.cid, box.image)
-            assert r.returncode == 0, r.stderr
-            box.frozen = assert_dumped(self.env, box.cid, box.tags)
+            box.frozen = self.dump(box.cid, box.image, box.tags)
             self.images[workload] = box
         return box
 

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from cudahook.core import manifest
 from cudahook.platform.host import Host
@@ -49,9 +48,10 @@ from cudahook.sim import wire
 
 from .conftest import Env, needs_runc
 from .outcomes import (
-    assert_dumped,
+    SharedBoxes,
     assert_nothing_restored,
     assert_running_and_intact,
+    fresh_reports,
     image_hashes,
     restore_and_check,
     workload_pids,
@@ -240,22 +240,17 @@ class Box:
     frozen: dict[str, int] | None = None
 
 
-class Node:
+class Node(SharedBoxes):
+    deadlines = DEADLINES
+
     def __init__(self, env: Env, tmp: Path):
-        self.env = env
-        self.tmp = tmp
+        super().__init__(env, tmp)
         self.live: dict[str, Box] = {}
         self.saved: Box | None = None
         self.spoiled: list[str] = []  # containers of failed cases: deleted before the next
-        self.count = 0
         env.box.own_session = True  # as a runtime runs runc: a group of its own
         # CUDA 13.4+: `checkpointing` and `restoring` are reported meanwhile.
         env.lab.set(transient_states=True)
-
-    def configure(self, backend: str) -> None:
-        cfg = yaml.safe_load(self.env.config.read_text())
-        cfg.update(DEADLINES, backend=backend)
-        self.env.config.write_text(yaml.safe_dump(cfg))
 
     def start(self, workload: str = "plain") -> Box:
         self.count += 1
@@ -267,12 +262,7 @@ class Node:
             workloads = [(name, {**opts, "vmm": True}) for name, opts in WORKLOADS]
         bundle = self.env.box.bundle(f"k{self.count}", workloads, others=["sleep 100000"],
                                      **extra)
-        for t in TAGS:  # a tag is reused by a recreated container: fresh reports only
-            (self.env.lab.status_dir / f"{t}.json").unlink(missing_ok=True)
-        cid = self.env.cid()
-        r = self.env.box.run(cid, bundle)
-        assert r.returncode == 0, r.stderr
-        self.env.wait_running(TAGS, steps=3)
+        cid = self.run(bundle, TAGS)
         found = workload_pids(self.env.lab, cid, TAGS)
         assert all(found.values()), found
         return Box(cid, bundle, {t: p for t, p in found.items() if p})
@@ -296,9 +286,7 @@ class Node:
             self.live.clear()
             box = self.start()
             box.image = self.tmp / "image"
-            r = self.env.box.checkpoint(box.cid, box.image)
-            assert r.returncode == 0, r.stderr
-            box.frozen = assert_dumped(self.env, box.cid, TAGS)
+            box.frozen = self.dump(box.cid, box.image, TAGS)
             self.saved = box
         return self.saved
 
@@ -386,8 +374,7 @@ def _killed_restore(node: Node, case: Case) -> None:
     box = node.image_box()
     assert box.image is not None and box.frozen is not None
     before = image_hashes(box.image)
-    for t in TAGS:  # only the restored processes may report from here on
-        (env.lab.status_dir / f"{t}.json").unlink(missing_ok=True)
+    fresh_reports(env.lab, TAGS)  # only the restored processes may report from here on
     _slow(env, case)
     done: dict[str, Any] = {}
     cid = env.cid()  # each case restores a container of its own

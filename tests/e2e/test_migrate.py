@@ -43,7 +43,7 @@ from cudahook.sim.runcbox import GUEST_PKG, GUEST_SIM, STAND_IN_NODE, guest_env
 from .conftest import needs_runc, private_node, tree_digest
 from .outcomes import process_tree, still_alive
 from .podman import PODMAN, NodeNamespace, Podman
-from .test_runtimes import OTHERS, python_rootfs, workload_cmd
+from .test_runtimes import OTHERS, python_rootfs, workload_script
 
 pytestmark = [
     *needs_runc,
@@ -92,17 +92,11 @@ class SimNode:
             ) -> tuple[str, list[str]]:
         """A GPU container on this node; its name and workload tags."""
         prefix = f"{self.name}-{uuid.uuid4().hex[:6]}"
-        cmds, tags = [], []
-        for wname, opts in workloads:
-            tag = f"{prefix}-{wname}"
-            cmds.append(workload_cmd(tag, **opts))
-            procs = int(opts.get("procs", 1))
-            tags += [tag] if procs == 1 else [f"{tag}.{i}" for i in range(procs)]
-        script = " ".join(f"{c} &" for c in [*cmds, *OTHERS]) + " wait"
+        cmd, tags = workload_script(prefix, workloads)
         binds = [("/usr", "/usr", True), ("/etc", "/etc", True), (PKG_PARENT, GUEST_PKG, True),
                  (str(COMMON / "gpu"), GUEST_SIM, False)]
         devices = [(STAND_IN_NODE, f"/dev/{n}") for n in sorted(os.listdir(self.lab.dev))]
-        self.podman.run(prefix, IMAGE, ["/bin/sh", "-c", script], env=guest_env(visible),
+        self.podman.run(prefix, IMAGE, cmd, env=guest_env(visible),
                         binds=binds, devices=devices,
                         extra=["--annotation", f"org.criu.config={COMMON / 'etc/criu.conf'}"])
         return prefix, tags

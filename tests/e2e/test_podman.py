@@ -37,14 +37,13 @@ from .conftest import needs_runc, private_node, tree_digest
 from .outcomes import process_tree
 from .podman import PODMAN, Podman
 from .test_runtimes import (
-    OTHERS,
     WORKLOADS,
     Node,
     comms_in_pidns,
     installed_node,
     python_rootfs,
     sh,
-    workload_cmd,
+    workload_script,
 )
 
 pytestmark = [
@@ -88,18 +87,12 @@ def gpu_container(podman: Podman, lab: SimLab, prefix: str,
     """A container on the simulated GPU: real character nodes at /dev/nvidia*
     (`--device`, as the NVIDIA toolkit injects them), the GPU service bound in,
     NVIDIA_VISIBLE_DEVICES naming its GPU. Its name and workload tags."""
-    cmds, tags = [], []
-    for name, opts in workloads:
-        tag = f"{prefix}-{name}"
-        cmds.append(workload_cmd(tag, **opts))
-        procs = int(opts.get("procs", 1))
-        tags += [tag] if procs == 1 else [f"{tag}.{i}" for i in range(procs)]
-    script = " ".join(f"{c} &" for c in [*cmds, *OTHERS]) + " wait"
+    cmd, tags = workload_script(prefix, workloads)
     binds = [("/usr", "/usr", True), ("/etc", "/etc", True),
              *guest_binds(lab, device_files=False)]
     devices = [(STAND_IN_NODE, f"/dev/{n}") for n in sorted(os.listdir(lab.dev))]
     name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    podman.run(name, IMAGE, ["/bin/sh", "-c", script],
+    podman.run(name, IMAGE, cmd,
                env=guest_env(visible or lab.uuids[:1]), binds=binds, devices=devices)
     return name, tags
 

@@ -37,7 +37,7 @@ import yaml
 
 from cudahook.admin.journal import Journal
 from cudahook.platform.store import Store, container_key
-from cudahook.sim.lab import SimLab
+from cudahook.sim.lab import SimLab, workload_argv
 from cudahook.sim.runcbox import guest_binds, guest_env
 
 from .conftest import needs_runc, private_node, real_node_env
@@ -316,11 +316,20 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
                      cmd=("/bin/sh",))
 
 
-def workload_cmd(tag: str, **opts: Any) -> str:
-    argv = ["/usr/bin/python3", "-m", "cudahook.sim", "workload", "--tag", tag]
-    for key, value in opts.items():
-        argv += ["--" + key.replace("_", "-"), str(value)]
-    return shlex.join(argv)
+def workload_script(prefix: str, workloads: list[tuple[str, dict[str, Any]]] = WORKLOADS
+                    ) -> tuple[list[str], list[str]]:
+    """A GPU container's command, as RuncBox's bundles have it: each workload
+    (tagged <prefix>-<name>) and OTHERS in the background of one shell that
+    waits for them. With the workloads' tags (a workload of N processes
+    reports as tag.0 .. tag.N-1)."""
+    cmds, tags = [], []
+    for name, opts in workloads:
+        tag = f"{prefix}-{name}"
+        cmds.append(shlex.join(workload_argv("/usr/bin/python3", tag, **opts)))
+        procs = int(opts.get("procs", 1))
+        tags += [tag] if procs == 1 else [f"{tag}.{i}" for i in range(procs)]
+    script = " ".join(f"{c} &" for c in [*cmds, *OTHERS]) + " wait"
+    return ["/bin/sh", "-c", script], tags
 
 
 @dataclass
@@ -330,18 +339,27 @@ class GpuSpec:
     binds: list[tuple[str, str, bool]]
     tags: list[str]
 
+    def env_on(self, gpu: str) -> list[str]:
+        """The environment, naming GPU `gpu` instead."""
+        return [f"NVIDIA_VISIBLE_DEVICES={gpu}" if e.startswith("NVIDIA_VISIBLE") else e
+                for e in self.env]
+
+    def docker_args(self, env: list[str] | None = None) -> list[str]:
+        """`docker run` / `docker create` options: cudahook's runtime, the
+        binds (not recursive, as RuncBox's) and the environment (`env`
+        instead, given one)."""
+        args = ["--runtime", "cudahook", "--network", "none"]
+        for host, dest, ro in self.binds:
+            args += ["--mount", f"type=bind,source={host},target={dest},bind-nonrecursive=true"
+                     + (",readonly" if ro else "")]
+        return args + [x for e in (self.env if env is None else env) for x in ("-e", e)]
+
 
 def gpu_spec(lab: SimLab, prefix: str) -> GpuSpec:
     """What RuncBox puts in a GPU container, for a runtime's command line."""
-    cmds, tags = [], []
-    for name, opts in WORKLOADS:
-        tag = f"{prefix}-{name}"
-        cmds.append(workload_cmd(tag, **opts))
-        procs = int(opts.get("procs", 1))
-        tags += [tag] if procs == 1 else [f"{tag}.{i}" for i in range(procs)]
-    script = " ".join(f"{c} &" for c in [*cmds, *OTHERS]) + " wait"
+    cmd, tags = workload_script(prefix)
     binds = [("/usr", "/usr", True), ("/etc", "/etc", True), *guest_binds(lab)]
-    return GpuSpec(["/bin/sh", "-c", script], guest_env(lab.uuids[:1]), binds, tags)
+    return GpuSpec(cmd, guest_env(lab.uuids[:1]), binds, tags)
 
 
 def comms_in_pidns(init_pid: int) -> list[str]:
@@ -475,6 +493,40 @@ def test_containerd_with_gpu_only_criu_registration(node: Node, image: Path,
 # -- docker 20.10 (experimental) ------------------------------------------------------
 
 
+def docker_gpu_task(node: Node, d: Dockerd, cid: str, tags: list[str]) -> tuple[int, Path]:
+    """Wait for the workloads of docker container `cid` and check the
+    wrapper hooked it: its PID and bundle."""
+    pid = d.pid(cid)
+    node.wait_running(tags, steps=3)
+    bundle = d.containerd.state / "io.containerd.runtime.v2.task" / "moby" / cid
+    assert_hooked(node, cid, bundle, pid)
+    return pid, bundle
+
+
+def docker_restore_moved(node: Node, d: Dockerd, cid: str, checkpoint: str, tags: list[str],
+                         frozen: dict[str, int], device_map: dict[str, str]) -> None:
+    """`docker start --checkpoint` of a container naming other GPUs: the
+    workloads go on from `frozen`, each on the GPU `device_map` moves it to."""
+    with node.resumed(tags) as reports:
+        d.start_checkpoint(cid, checkpoint)
+        first = reports.assert_from(frozen, frozen)
+    node.wait_running(tags, first)
+    assert {node.lab.status(t)["gpu"] for t in tags} == set(device_map.values())
+    (restore,) = node.wait_event(cid, "restore")
+    assert restore["device_map"] == device_map
+
+
+def docker_leave_running(node: Node, d: Dockerd, cid: str, pid: int, tags: list[str],
+                         checkpoint: str) -> None:
+    """`docker checkpoint create --leave-running`: the same processes go on,
+    back on their GPU once the guardian resumed them."""
+    d.docker("checkpoint", "create", "--leave-running", cid, checkpoint, timeout=120)
+    after = node.counters(tags)
+    node.wait_event(cid, "guardian", lambda e: "resumed" in e.get("outcome", ""))
+    assert d.pid(cid) == pid
+    node.wait_running(tags, after)
+
+
 def test_docker_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) -> None:
     runtimes = json.loads(DAEMON_JSON.read_text())["runtimes"]
     assert runtimes["cudahook"] == {"path": str(node.libexec / "cudahook-runtime")}
@@ -482,24 +534,11 @@ def test_docker_checkpoint_and_restore(node: Node, image: Path, tmp_path: Path) 
     tags = spec.tags
     with Dockerd(tmp_path / "dockerd", extra_config={"runtimes": runtimes}) as d:
         name = d.load_image(image)
-        args = ["run", "-d", "--runtime", "cudahook", "--network", "none"]
-        for host, dest, ro in spec.binds:  # not recursive, as RuncBox's binds
-            args += ["--mount", f"type=bind,source={host},target={dest},bind-nonrecursive=true"
-                     + (",readonly" if ro else "")]
-        for e in spec.env:
-            args += ["-e", e]
-        cid = d.docker(*args, name, *spec.cmd).stdout.strip()
-        pid = d.pid(cid)
-        node.wait_running(tags, steps=3)
-        bundle = d.containerd.state / "io.containerd.runtime.v2.task" / "moby" / cid
-        assert_hooked(node, cid, bundle, pid)
+        cid = d.docker("run", "-d", *spec.docker_args(), name, *spec.cmd).stdout.strip()
+        pid, bundle = docker_gpu_task(node, d, cid, tags)
 
         # 1. --leave-running: the same processes go on, back on their GPU.
-        d.docker("checkpoint", "create", "--leave-running", cid, "cp1", timeout=120)
-        after = node.counters(tags)
-        node.wait_event(cid, "guardian", lambda e: "resumed" in e.get("outcome", ""))
-        assert d.pid(cid) == pid
-        node.wait_running(tags, after)
+        docker_leave_running(node, d, cid, pid, tags, "cp1")
 
         # 2. a plain checkpoint stops the container where its counters stand.
         tree = process_tree(pid)
@@ -538,17 +577,9 @@ def test_docker_recipe_moves_a_checkpoint_onto_other_gpus(node: Node, image: Pat
     spec = gpu_spec(node.lab, "mv")
     tags = spec.tags
 
-    def create(*extra: str) -> list[str]:
-        args = ["--runtime", "cudahook", "--network", "none", *extra]
-        for host, dest, ro in spec.binds:
-            args += ["--mount", f"type=bind,source={host},target={dest},bind-nonrecursive=true"
-                     + (",readonly" if ro else "")]
-        return args
-
     with Dockerd(tmp_path / "dockerd", extra_config={"runtimes": runtimes}) as d:
         name = d.load_image(image)
-        env = [x for e in spec.env for x in ("-e", e)]
-        src = d.docker("run", "-d", *create(*env), name, *spec.cmd).stdout.strip()
+        src = d.docker("run", "-d", *spec.docker_args(), name, *spec.cmd).stdout.strip()
         node.wait_running(tags, steps=3)
         ckdir = tmp_path / "checkpoints"
         tree = process_tree(d.pid(src))
@@ -557,15 +588,7 @@ def test_docker_recipe_moves_a_checkpoint_onto_other_gpus(node: Node, image: Pat
         assert (ckdir / "move" / "cudahook-manifest.json").is_file()
         copied = tmp_path / "transit"
         shutil.copytree(ckdir, copied)
-        env_b = [x for e in spec.env for x in
-                 ("-e", f"NVIDIA_VISIBLE_DEVICES={b}" if e.startswith("NVIDIA_VISIBLE") else e)]
-        dst = d.docker("create", *create(*env_b), name, *spec.cmd).stdout.strip()
+        dst = d.docker("create", *spec.docker_args(spec.env_on(b)), name, *spec.cmd).stdout.strip()
         shutil.copytree(copied / "move", d.data_root / "containers" / dst / "checkpoints" / "move")
-        with node.resumed(tags) as reports:
-            d.start_checkpoint(dst, "move")
-            first = reports.assert_from(frozen, frozen)
-        node.wait_running(tags, first)
-        assert {node.lab.status(t)["gpu"] for t in tags} == {b}
-        (restore,) = node.wait_event(dst, "restore")
-        assert restore["device_map"] == {a: b}
+        docker_restore_moved(node, d, dst, "move", tags, frozen, {a: b})
         d.docker("rm", "-f", src, dst)

@@ -38,6 +38,9 @@ from .test_runtimes import (  # noqa: F401  (image and node are fixtures)
     DAEMON_JSON,
     Node,
     assert_hooked,
+    docker_gpu_task,
+    docker_leave_running,
+    docker_restore_moved,
     gpu_spec,
     image,
     node,
@@ -157,13 +160,6 @@ def test_docker_checkpoint_refusal_and_remap(node: Node, image: Path, tmp_path: 
     spec = gpu_spec(node.lab, "d" + bins.docker_version.replace(".", ""))
     tags = spec.tags
 
-    def create_args(env: list[str]) -> list[str]:
-        args = ["--runtime", "cudahook", "--network", "none"]
-        for host, dest, ro in spec.binds:
-            args += ["--mount", f"type=bind,source={host},target={dest},bind-nonrecursive=true"
-                     + (",readonly" if ro else "")]
-        return args + [x for e in env for x in ("-e", e)]
-
     with Dockerd(tmp_path / "dockerd", extra_config={"runtimes": runtimes}, binaries=bins) as d:
         server = d.docker("version", "--format", "{{.Server.Version}}").stdout.strip()
         assert server.startswith(bins.docker_version + "."), server
@@ -179,18 +175,11 @@ def test_docker_checkpoint_refusal_and_remap(node: Node, image: Path, tmp_path: 
         assert (p1 / "inventory.img").is_file() and manifest.read(p1) is None
         untouched(node, plain)
 
-        src = d.docker("run", "-d", *create_args(spec.env), name, *spec.cmd).stdout.strip()
-        pid = d.pid(src)
-        node.wait_running(tags, steps=3)
-        bundle = d.containerd.state / "io.containerd.runtime.v2.task" / "moby" / src
-        assert_hooked(node, src, bundle, pid)
+        src = d.docker("run", "-d", *spec.docker_args(), name, *spec.cmd).stdout.strip()
+        pid, _ = docker_gpu_task(node, d, src, tags)
 
         # 1. --leave-running: the same processes go on, back on their GPU.
-        d.docker("checkpoint", "create", "--leave-running", src, "live", timeout=120)
-        after = node.counters(tags)
-        node.wait_event(src, "guardian", lambda e: "resumed" in e.get("outcome", ""))
-        assert d.pid(src) == pid
-        node.wait_running(tags, after)
+        docker_leave_running(node, d, src, pid, tags, "live")
 
         # 2. A checkpoint into a directory of our choosing stops the container.
         ckdir = tmp_path / "checkpoints"
@@ -199,9 +188,7 @@ def test_docker_checkpoint_refusal_and_remap(node: Node, image: Path, tmp_path: 
         assert not d.inspect(src)["State"]["Running"]
         frozen = node.frozen(tags, tree)
         assert manifest.read(ckdir / "move") is not None
-        env_b = [f"NVIDIA_VISIBLE_DEVICES={b}" if e.startswith("NVIDIA_VISIBLE") else e
-                 for e in spec.env]
-        dst = d.docker("create", *create_args(env_b), name, *spec.cmd).stdout.strip()
+        dst = d.docker("create", *spec.docker_args(spec.env_on(b)), name, *spec.cmd).stdout.strip()
         r = d.docker("start", "--checkpoint-dir", str(ckdir), "--checkpoint", "move", dst,
                      check=False)
         assert r.returncode != 0 and "custom checkpointdir is not supported" in r.stderr, r
@@ -223,13 +210,7 @@ def test_docker_checkpoint_refusal_and_remap(node: Node, image: Path, tmp_path: 
 
         # 4. Back on the right driver, the copy restores onto GPU b.
         t0 = time.time()
-        with node.resumed(tags) as reports:
-            d.start_checkpoint(dst, "move")
-            first = reports.assert_from(frozen, frozen)
-        node.wait_running(tags, first)
-        assert {node.lab.status(t)["gpu"] for t in tags} == {b}
-        (restore,) = node.wait_event(dst, "restore")
-        assert restore["device_map"] == {a: b}
+        docker_restore_moved(node, d, dst, "move", tags, frozen, {a: b})
         no_errors_since(node, dst, t0)
         untouched(node, plain)
         d.docker("rm", "-f", src, dst, plain)
