@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import check as check_cmd
 
     check_cmd.add_parser(sub)
+    from . import agent_cmd
+
+    agent_cmd.add_arguments(sub.add_parser("agent", help=agent_cmd.HELP))
     doc = sub.add_parser("doctor", help="check this node and explain problems")
     doc.add_argument("--root", default=None, help=argparse.SUPPRESS)
     cf = sub.add_parser("configure", help="register cudahook with a container runtime")
@@ -240,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         print(escape_lines("\n".join(lines)))
         return Exit.OK
+    if args.cmd == "agent":
+        from . import agent_cmd
+
+        return agent_cmd.run(args)
     if args.cmd == "demo":
         from cudahook.sim.demo import main as demo
 

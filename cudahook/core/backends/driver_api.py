@@ -117,6 +117,8 @@ class _Channel:
     had to abandon) ends the channel like a helper's death."""
 
     what = "the driver helper"
+    # How long past a call's deadline the caller still waits for its reply.
+    grace = 0.0
 
     def __init__(self, reader: Any, writer: Callable[[bytes], None], timeout: float):
         self._reader = reader
@@ -263,6 +265,31 @@ class _Helper(_Channel):
             self.kill("closed")
 
 
+class AgentLink(_Channel):
+    """A session with the node agent (core/agent.py): a worker it attached
+    ahead of time, reached over its Unix socket. Ending it (a deadline, the
+    phase's end) closes the connection; the agent then abandons any call
+    still in flight with its worker, as a killed helper would be."""
+
+    what = "the driver agent"
+
+    def __init__(self, sock: Any, timeout: float):
+        from cudahook.core.agent import CLIENT_GRACE_S
+
+        self.grace = CLIENT_GRACE_S
+        self.sock = sock
+        sock.settimeout(None)
+        super().__init__(sock.makefile("rb"), sock.sendall, timeout)
+
+    def _end(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(2)  # SHUT_RDWR: the reader sees the end at once
+
+    def close(self) -> None:
+        self.kill("closed")
+        self.sock.close()
+
+
 class DriverAPI:
     name = "driver-api"
 
@@ -276,8 +303,10 @@ class DriverAPI:
         self._features = features
         self._probe = threading.Lock()
         self._start = threading.Lock()
-        self._helper: _Helper | None = None
+        self._helper: _Channel | None = None
         self.attaches = 0  # helpers started: one per phase unless a call hung
+        self.agent_sessions = 0  # phases (or parts) served by the node agent
+        self._agent_failed = False  # an agent session ended badly: helpers from now on
 
     @property
     def features(self) -> Features:
@@ -292,10 +321,15 @@ class DriverAPI:
                 f"the CUDA driver API on driver {self.features.version or '(unknown version)'} "
                 f"does not support {what}")
 
-    def _helper_for(self, pid: int, action: str) -> _Helper:
+    def _helper_for(self, pid: int, action: str) -> _Channel:
         with self._start:
             helper = self._helper
+            if isinstance(helper, AgentLink) and helper.dead:
+                # The rest of the phase (its rollback) never depends on the agent again.
+                self._agent_failed = True
             if helper is None or helper.dead:
+                helper = None if self._agent_failed else self._agent_link()
+            if helper is None:
                 try:
                     helper = _Helper(sys.executable, self.library, self.timeout)
                 except TimeoutError:
@@ -319,9 +353,23 @@ class DriverAPI:
                     f"{hello.get('error') or helper.dead or 'no answer'}")
             return helper
 
+    def _agent_link(self) -> AgentLink | None:
+        """A session with the node agent when one answers in time, else None."""
+        from cudahook.core.agent import open_session, start_detached
+
+        link = open_session(self.settings, self.settings.agent_connect_ms / 1000)
+        if link is not None:
+            self.agent_sessions += 1
+            self._helper = link
+        elif self.settings.agent == "auto":
+            start_detached(self.settings)  # for the next phases; this one attaches itself
+        return link  # type: ignore[no-any-return]
+
     def _call(self, pid: int, action: str, request: dict, timeout: float | None = None) -> object:
         helper = self._helper_for(pid, action)
-        reply = helper.call({**request, "op": action, "pid": pid}, timeout or self.timeout)
+        deadline = timeout or self.timeout
+        reply = helper.call({**request, "op": action, "pid": pid, "deadline_s": deadline},
+                            deadline + helper.grace)
         if reply is None:
             timed_out = "deadline" in (helper.dead or "")
             raise ToolError(pid, action, None,
