@@ -66,7 +66,8 @@ class AgentProc:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             info = agent.status(self.settings, 1.0)
-            if info is not None and (info.get("idle_workers") or not warm):
+            if info is not None and ((info.get("idle_workers") and not info.get("warming"))
+                                     or not warm):
                 if not warm and info.get("idle_workers"):
                     raise RuntimeError("the agent attached before the cold phase began")
                 return

@@ -56,7 +56,8 @@ def running_agent(settings):  # type: ignore[no-untyped-def]
     """A real agent process for `settings`, warm (a worker attached); killed after."""
     proc = agent.start_detached(settings)
     try:
-        wait_for(lambda: (agent.status(settings, 1.0) or {}).get("idle_workers"), 30)
+        wait_for(lambda: (s := agent.status(settings, 1.0)) and s["idle_workers"]
+                 and not s["warming"], 30)
         yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -189,9 +190,9 @@ def test_a_hook_killed_mid_call_leaves_no_call_in_flight(make_node) -> None:  # 
     settings = node.lab.settings(backend="driver-api", call_timeout_s=60.0)
     node.lab.fault("lock", mode="hang", pid=pids[0], times=1)
     with running_agent(settings):
-        before = worker_pids(node)
         hook = hook_with_a_call_in_flight(settings, pids[0], "criu-run-x")
-        busy = worker_pids(node)
+        held = set((agent.status(settings) or {})["busy_worker_pids"])
+        assert len(held) == 1 and held <= worker_pids(node)
         os.killpg(hook.pid, signal.SIGKILL)
         hook.wait()
         # What the guardian waits on: the run's calls, ended.
@@ -199,8 +200,7 @@ def test_a_hook_killed_mid_call_leaves_no_call_in_flight(make_node) -> None:  # 
         info = agent.status(settings)
         assert info and info["in_flight"] == 0 and info["sessions"] == 0
         # The worker that held the call is gone, not back in the pool.
-        held = busy & before
-        assert held and not (held & worker_pids(node))
+        assert not (held & worker_pids(node))
     assert node.engine(backend="cli").backend.get_state(pids[0]) == "running"
     healthy(node, 1)
 
@@ -360,3 +360,35 @@ def test_a_hello_that_names_another_process_is_refused(node) -> None:  # type: i
         s.close()
         assert reply["ready"] is False and reply["stage"] == "refused"
         assert f"names pid {other}" in reply["error"]
+
+
+def test_agent_auto_starts_one_for_the_next_phases(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(driver=580, attach_latency_s=0.2)
+    pids = workloads(node, 2)
+    settings = node.lab.settings(backend="driver-api", agent="auto")
+    assert agent.status(settings, 0.5) is None
+    try:
+        # No agent yet: this phase attaches itself and starts one, detached.
+        result, backend, _ = phase(settings, "checkpoint", pids)
+        assert result.ok and (backend.agent_sessions, backend.attaches) == (0, 1)
+        info = wait_for(lambda: (s := agent.status(settings, 1.0)) and s["idle_workers"] and s)
+        result, backend, _ = phase(settings, "restore", pids)
+        assert result.ok and (backend.agent_sessions, backend.attaches) == (1, 0)
+    finally:
+        pid = agent.running_pid(settings)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+    assert info["pid"] == pid
+    healthy(node, 2)
+
+
+def test_agent_off_starts_none(node) -> None:  # type: ignore[no-untyped-def]
+    pids = workloads(node, 1)
+    settings = node.lab.settings(backend="driver-api")
+    assert settings.agent == "off"
+    result, backend, _ = phase(settings, "checkpoint", pids)
+    assert result.ok and backend.attaches == 1
+    time.sleep(1.0)
+    assert agent.status(settings, 0.5) is None and agent.running_pid(settings) is None
+    result, backend, _ = phase(settings, "restore", pids)
+    assert result.ok and backend.attaches == 1

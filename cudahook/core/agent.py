@@ -238,7 +238,7 @@ class _Session:
 
 
 class Agent:
-    def __init__(self, settings: Settings, spare: int = 1, max_idle: int = 8):
+    def __init__(self, settings: Settings, spare: int = 2, max_idle: int = 8):
         import threading
 
         self.settings = settings
@@ -315,7 +315,12 @@ class Agent:
                     break
             else:
                 worker = None
-        self._warm()
+            empty = not self.idle
+        # A replacement starts (a process start and an attach: CPU beside the
+        # phase) only when no worker is left for the next session; a worker
+        # whose session ends cleanly comes back to the pool.
+        if empty:
+            self._warm()
         return worker
 
     def _give_back(self, worker: _Helper) -> None:
@@ -451,6 +456,7 @@ class Agent:
         with self.lock:
             self.sessions.discard(session)
             self.last_active = time.monotonic()
+        self._warm()  # a worker lost with the session is replaced
 
     # -- control -------------------------------------------------------------------
 
@@ -462,6 +468,7 @@ class Agent:
                     errors="replace").strip(), "sessions": len(self.sessions),
                     "in_flight": sum(s.in_flight for s in self.sessions),
                     "idle_workers": len(self.idle), "warming": self.warming,
+                    "busy_worker_pids": sorted(s.worker.proc.pid for s in self.sessions),
                     "served": self.served, "restarting": self.restarting}
         if op == "end-calls":
             name = control.get("calls_of")
@@ -597,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cudahook-agent", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="configuration file (default: the node's)")
     p.add_argument("--settings-json", help=argparse.SUPPRESS)  # the settings, as one object
-    p.add_argument("--spare", type=int, default=1, help="idle attached workers kept ready")
+    p.add_argument("--spare", type=int, default=2, help="idle attached workers kept ready")
     args = p.parse_args(argv)
     try:
         settings = Settings(**json.loads(args.settings_json)) if args.settings_json \
