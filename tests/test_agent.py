@@ -191,7 +191,10 @@ def test_a_hook_killed_mid_call_leaves_no_call_in_flight(make_node) -> None:  # 
     node.lab.fault("lock", mode="hang", pid=pids[0], times=1)
     with running_agent(settings):
         hook = hook_with_a_call_in_flight(settings, pids[0], "criu-run-x")
-        held = set((agent.status(settings) or {})["busy_worker_pids"])
+        info = agent.status(settings)
+        assert info and [s[0] for s in info["sessions_of"]] == ["criu-run-x"]
+        assert info["sessions_of"][0][2] == hook.pid  # the hook named itself
+        held = set(info["busy_worker_pids"])
         assert len(held) == 1 and held <= worker_pids(node)
         os.killpg(hook.pid, signal.SIGKILL)
         hook.wait()
@@ -392,3 +395,25 @@ def test_agent_off_starts_none(node) -> None:  # type: ignore[no-untyped-def]
     assert agent.status(settings, 0.5) is None and agent.running_pid(settings) is None
     result, backend, _ = phase(settings, "restore", pids)
     assert result.ok and backend.attaches == 1
+
+
+def test_install_places_the_agent_unit_not_enabled_and_uninstall_removes_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.admin import installer
+
+    from . import nodefiles
+    from .test_installer import install, run
+
+    root = nodefiles.site_node(tmp_path / "node")
+    (root / "usr/local/bin").mkdir(parents=True)
+    (root / "opt").mkdir()
+    prefix = root / "opt/cudahook"
+    install(root, prefix)
+    unit = root / installer.AGENT_UNIT.lstrip("/")
+    text = unit.read_text()
+    assert f"ExecStart={prefix}/venv/bin/python -I -m cudahook.core.agent --config " \
+           f"{root}/etc/cudahook/config.yaml\n" in text
+    assert stat.S_IMODE(unit.stat().st_mode) == 0o644
+    # Installed only: nothing enables it (no wants/ link).
+    assert not list(root.glob("etc/systemd/system/*.wants/cudahook-agent.service"))
+    rc, _, _ = run(root, "uninstall", prefix)
+    assert rc == 0 and not unit.exists()

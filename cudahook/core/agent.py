@@ -174,10 +174,11 @@ def status(settings: Settings, timeout: float = 5.0) -> dict[str, Any] | None:
     return ask(settings, {"op": "status"}, timeout)
 
 
-def open_session(settings: Settings, timeout: float) -> Any:
+def open_session(settings: Settings, timeout: float, container: str | None = None) -> Any:
     """An `AgentLink` to a warm worker of this node's agent, or None (no
     agent, no answer in `timeout`, refused, cold): then the caller attaches
-    itself, as without an agent."""
+    itself, as without an agent. `container`: the container the calls are
+    for, when the caller knows it (the run's name says which CRIU run)."""
     sock = _connect(settings, timeout)
     if sock is None:
         return None
@@ -185,7 +186,7 @@ def open_session(settings: Settings, timeout: float) -> Any:
     from cudahook.platform.tools import CALLS_ENV
 
     me = os.getpid()
-    hello = {"hook": [me, Host().start_time(me)], "container": os.environ.get(CONTAINER_ENV),
+    hello = {"hook": [me, Host().start_time(me)], "container": container,
              "calls_of": os.environ.get(CALLS_ENV)}
     try:
         _send(sock, {"hello": hello})
@@ -216,11 +217,6 @@ def start_detached(settings: Settings) -> Any:
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True, env=calls_env(),
     )
-
-
-# The container a hook works for, when its caller knows it (the run's name,
-# CUDAHOOK_CALLS_OF, says which CRIU run it is).
-CONTAINER_ENV = "CUDAHOOK_CONTAINER"
 
 
 # -- the agent process -----------------------------------------------------------
@@ -463,12 +459,17 @@ class Agent:
     def _control(self, control: dict[str, Any]) -> dict[str, Any]:
         op = control.get("op")
         if op == "status":
+            from cudahook.core.backends.cli import parse_nvrm
+
+            version = parse_nvrm((self.version or b"").decode(errors="replace")) or ""
             with self.lock:
-                return {"ok": True, "pid": os.getpid(), "version": (self.version or b"").decode(
-                    errors="replace").strip(), "sessions": len(self.sessions),
+                return {"ok": True, "pid": os.getpid(), "version": version,
+                        "sessions": len(self.sessions),
                     "in_flight": sum(s.in_flight for s in self.sessions),
                     "idle_workers": len(self.idle), "warming": self.warming,
                     "busy_worker_pids": sorted(s.worker.proc.pid for s in self.sessions),
+                    "sessions_of": sorted([s.calls_of or "", s.container or "", *s.hook]
+                                          for s in self.sessions),
                     "served": self.served, "restarting": self.restarting}
         if op == "end-calls":
             name = control.get("calls_of")

@@ -306,6 +306,7 @@ class DriverAPI:
         self._helper: _Channel | None = None
         self.attaches = 0  # helpers started: one per phase unless a call hung
         self.agent_sessions = 0  # phases (or parts) served by the node agent
+        self.container: str | None = None  # named to the node agent when known
         self._agent_failed = False  # an agent session ended badly: helpers from now on
 
     @property
@@ -357,7 +358,7 @@ class DriverAPI:
         """A session with the node agent when one answers in time, else None."""
         from cudahook.core.agent import open_session, start_detached
 
-        link = open_session(self.settings, self.settings.agent_connect_ms / 1000)
+        link = open_session(self.settings, self.settings.agent_connect_ms / 1000, self.container)
         if link is not None:
             self.agent_sessions += 1
             self._helper = link
