@@ -344,7 +344,14 @@ class Agent:
                          "error": f"peer uid {uid} is not trusted"})
             self._log("agent", error=f"refused a connection from pid {pid}, uid {uid}")
             return
-        first = json.loads(_read_line(conn, time.monotonic() + 5.0))
+        # One reader for the hello and the calls after it: nothing the client
+        # sent past the hello is lost in a buffer of its own.
+        conn.settimeout(5.0)
+        reader = conn.makefile("rb")
+        line = reader.readline(HELLO_MAX)
+        if not line.endswith(b"\n"):
+            raise ValueError("no hello line")
+        first = json.loads(line)
         if not isinstance(first, dict):
             raise ValueError("not an object")
         if isinstance(first.get("control"), dict):
@@ -371,7 +378,7 @@ class Agent:
             self.sessions.add(session)
             self.served += 1
         try:
-            self._serve(conn, session)
+            self._serve(conn, reader, session)
         finally:
             self._end_session(session)
 
@@ -391,7 +398,7 @@ class Agent:
                 return f"bad {key}"
         return None
 
-    def _serve(self, conn: socket.socket, session: _Session) -> None:
+    def _serve(self, conn: socket.socket, reader: Any, session: _Session) -> None:
         import threading
 
         from cudahook.core.backends.driver_helper import serve_lines
@@ -437,7 +444,7 @@ class Agent:
             return {**reply, "id": ident}
 
         say({**session.worker.hello, "agent": os.getpid()})
-        serve_lines(conn.makefile("rb"), handle, say)
+        serve_lines(reader, handle, say)
 
     def _end_session(self, session: _Session) -> None:
         """The hook closed its end (or went away). A call still in flight is
