@@ -20,9 +20,9 @@ against the limit with no attach at all:
   limit = 2 x (largest per-GPU MiB / bandwidth)      target: cycle / limit <= 1.15
 
 The helper's cycle is measured beside it, for reference, and the agent's
-with an untimed pause between its phases (`agent-settled`: where a real
-cycle has CRIU's dump and restore, and the helper's cycle its restore's
-attach) - the simulated GPU service frees the checkpointed memory then.
+with an untimed pause before each phase (`agent-settled`: where a real
+cycle has CRIU's dump and restore, and the helper's cycle its attach) -
+the simulated GPU service settles the previous phase's memory then.
 """
 
 from __future__ import annotations
@@ -174,8 +174,9 @@ def link_limit(args, res: Result, tmp) -> None:  # type: ignore[no-untyped-def]
                     agent.stop()
                 cycle = 0.0
                 for phase in ("checkpoint", "restore"):
-                    if phase == "restore" and kind == "agent-settled":
-                        time.sleep(args.p7_settle)  # untimed: where CRIU's dump and restore run
+                    if kind == "agent-settled":
+                        # Untimed: where CRIU's dump, or its restore, runs in a real cycle.
+                        time.sleep(args.p7_settle)
                     dt, backend = timed_phase(settings, phase, pids)
                     if kind.startswith("agent") and backend.attaches:
                         raise RuntimeError(f"{phase} attached with a warm agent up")
@@ -198,9 +199,9 @@ def link_limit(args, res: Result, tmp) -> None:  # type: ignore[no-untyped-def]
     res.ratio("P7 cycle agent/no-attach limit, phases apart", "p7-cycle-agent-settled",
               "p7-limit-no-attach", P7_TARGET, headline=False)
     res.notes.append(
-        f"agent-settled: an untimed pause of {args.p7_settle:g}s between the checkpoint and the "
-        "restore phase, where a real cycle has CRIU's dump and restore (and the helper variant "
-        "its restore's attach): the simulated GPU service frees the checkpointed memory then")
+        f"agent-settled: an untimed pause of {args.p7_settle:g}s before each phase, where a real "
+        "cycle has CRIU's dump and restore (and the helper variant its attach): the simulated "
+        "GPU service settles the previous phase's memory then")
     if not args.no_helper:
         res.ratio("P7 cycle helper/no-attach limit", "p7-cycle-helper", "p7-limit-no-attach",
                   None, headline=False)
@@ -231,7 +232,7 @@ def parser():  # type: ignore[no-untyped-def]
     p.add_argument("--p7-mib", type=int, default=512)
     p.add_argument("--p7-bandwidth", type=float, default=1024.0)
     p.add_argument("--p7-settle", type=float, default=1.0,
-                   help="part 2, agent-settled: untimed pause between the phases (s)")
+                   help="part 2, agent-settled: untimed pause before each phase (s)")
     p.add_argument("--no-p7", action="store_true", help="skip part 2 (P7's cycle)")
     p.add_argument("--no-helper", action="store_true", help="part 2: skip the helper's cycle")
     return p
