@@ -225,8 +225,10 @@ def start_detached(settings: Settings) -> Any:
 class _Session:
     """One hook's phase: its worker and its calls in flight."""
 
-    def __init__(self, worker: _Helper, hook: list[int], container: Any, calls_of: Any):
+    def __init__(self, worker: _Helper, hook: list[int], container: Any, calls_of: Any,
+                 conn: socket.socket):
         self.worker = worker
+        self.conn = conn
         self.hook = hook
         self.container = container if isinstance(container, str) else None
         self.calls_of = calls_of if isinstance(calls_of, str) else None
@@ -373,7 +375,8 @@ class Agent:
             # Answer at once: the hook attaches itself, never later than today.
             _send(conn, {"ready": False, "stage": "cold", "error": "no worker attached yet"})
             return
-        session = _Session(worker, hello["hook"], hello.get("container"), hello.get("calls_of"))
+        session = _Session(worker, hello["hook"], hello.get("container"), hello.get("calls_of"),
+                           conn)
         with self.lock:
             self.sessions.add(session)
             self.served += 1
@@ -497,10 +500,14 @@ class Agent:
             s.worker.dead = s.worker.dead or f"the calls of {name} were ended"
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(s.worker.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):  # the session ends too, idle or not
+                s.conn.shutdown(socket.SHUT_RDWR)
         deadline = time.monotonic() + wait_s
         while True:
             left = [s.worker.proc.pid for s in mine if s.worker.proc.poll() is None]
-            if not left or time.monotonic() >= deadline:
+            with self.lock:
+                closing = any(s in self.sessions for s in mine)  # its calls answered yet
+            if not (left or closing) or time.monotonic() >= deadline:
                 if mine:
                     self._log("agent", ended_calls_of=name, stuck=left)
                 return left
