@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install cudahook: its own virtual environment on the system Python (which
 # starts fastest: the hooks run dozens of times per checkpoint), the hook
-# executables, /etc/cudahook/config.yaml, /etc/logrotate.d/cudahook, and the
+# executables, /etc/cudahook/config.yaml, /etc/logrotate.d/cudahook, the node
+# agent's systemd unit (cudahook-agent.service, not enabled), and the
 # CRIU action script in /etc/criu/runc.conf. Idempotent: running it again
 # also repairs a half-removed installation. Every file outside the prefix that
 # it changes is journaled per prefix, and --uninstall puts each one back byte

@@ -25,6 +25,7 @@ from bench import (
     p5_container_start,
     p6_driver_api,
     p7_link_limit,
+    p9_agent,
 )
 from bench.common import execute, meta, write_json
 
@@ -36,6 +37,7 @@ BENCHES = {
     "P5": p5_container_start,
     "P6": p6_driver_api,
     "P7": p7_link_limit,
+    "P9": p9_agent,
 }
 
 

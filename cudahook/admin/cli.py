@@ -19,6 +19,7 @@ import sys
 from cudahook.platform.errors import EnvironmentProblem, report
 
 from .commands import (
+    agent,
     check,
     checkpoint,
     configure,
@@ -46,6 +47,7 @@ COMMANDS: tuple[Command, ...] = (
     check.COMMAND,
     doctor.COMMAND,
     configure.COMMAND,
+    agent.COMMAND,
     migrate.COMMAND,
     demo.COMMAND,
 )

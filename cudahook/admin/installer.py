@@ -1,5 +1,6 @@
 """What install.sh does once the virtual environment exists: place the hook
-executables, the configuration, the log rotation rule and the commands,
+executables, the configuration, the log rotation rule, the node agent's
+systemd unit (not enabled) and the commands,
 register runtimes, and undo all of it on --uninstall. Every file it touches
 outside the prefix goes through the prefix's own journal, so uninstall puts
 the system back byte for byte and touches nothing another installation did.
@@ -44,6 +45,24 @@ def logrotate_rule(log_file: Path) -> str:
             "\tmissingok\n\tnotifempty\n\tcreate 0600 root root\n}\n")
 
 
+# The node agent's service (core/agent.py): installed, never enabled or
+# started here - `systemctl enable --now cudahook-agent` is the operator's
+# choice, and hooks fall back to attaching themselves while it is not up.
+AGENT_UNIT = "/etc/systemd/system/cudahook-agent.service"
+
+
+def agent_unit(python: str, config: Path) -> str:
+    return ("# cudahook: the node agent (installed by install.sh; removed by --uninstall).\n"
+            "# Start it with: systemctl enable --now cudahook-agent\n"
+            "[Unit]\n"
+            "Description=cudahook node agent: driver calls served warm for GPU checkpoints\n"
+            "After=nvidia-persistenced.service\n\n"
+            "[Service]\nType=simple\n"
+            f"ExecStart={python} -I -m cudahook.core.agent --config {config}\n"
+            "Restart=on-failure\n\n"
+            "[Install]\nWantedBy=multi-user.target\n")
+
+
 def install_changes(prefix: Path, python: str, root: str, source: Path,
                     criu: str | None = None) -> list[Change]:
     j = Journal(root, prefix)
@@ -61,6 +80,8 @@ def install_changes(prefix: Path, python: str, root: str, source: Path,
                               mode=0o644))
     changes.append(Change(paths.at(paths.LOGROTATE, root),
                           logrotate_rule(paths.at(paths.LOG_FILE, root)).encode(), mode=0o644))
+    changes.append(Change(paths.at(AGENT_UNIT, root), agent_unit(python, config).encode(),
+                          mode=0o644))
     venv_bin = Path(python).parent
     for name, target in (("cudahook", venv_bin / "cudahook"),
                          ("cudahook-sim", venv_bin / "cudahook-sim"),

@@ -41,6 +41,15 @@ class Settings(Record, frozen=True):
     # image directory itself) or "auto" (storage where the driver has it).
     # `cudahook features` and doctor say which a container would get, and why.
     gpu_memory: str = "host"
+    # The node agent (core/agent.py, `cudahook agent start`): the driver-API
+    # backend tries it first, waiting at most agent_connect_ms for a warm
+    # worker, and attaches itself when none answers. "auto": the first hook
+    # that finds none starts one, detached; "off": only an operator (or a
+    # service unit) starts it. agent_idle_s: it exits after that long
+    # without a session (0: never).
+    agent: str = "off"
+    agent_connect_ms: int = 50
+    agent_idle_s: float = 0.0
     cuda_checkpoint: str = "/usr/bin/cuda-checkpoint"
     nvidia_smi: str = "/usr/bin/nvidia-smi"
     # The installed driver's version (features, manifest, same-branch check);
@@ -78,6 +87,8 @@ class Settings(Record, frozen=True):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.agent is False:  # YAML reads a bare `agent: off` as false
+            object.__setattr__(self, "agent", "off")
         for name, node_path in (("state_dir", paths.STATE_DIR), ("log_file", paths.LOG_FILE)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, str(paths.at(node_path)))

@@ -35,6 +35,12 @@ from cudahook.platform.tools import spawn
 from . import CHECKPOINTED, RUNNING, STATES, Features
 from .cli import driver_version
 
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "driver_helper.py")
 MIN_MAJOR = 570  # cuCheckpointProcess* first shipped with R570 (CUDA 12.8)
 # Custom storage copies GPU memory in chunks of this size, each its own file
@@ -107,16 +113,19 @@ def choose(settings: Settings, host: Host) -> tuple[Features | None, str]:
                      "cuCheckpointProcess*"
 
 
-class _Helper:
-    """One helper process: one driver attach, calls multiplexed by id."""
+class _Channel:
+    """One line-protocol channel to something that has attached to the
+    driver (driver_helper.py's protocol): calls multiplexed by id. A reply
+    carrying `lost` instead of a result (the node agent's word for a call it
+    had to abandon) ends the channel like a helper's death."""
 
-    def __init__(self, python: str, library: str, timeout: float):
-        # Bound to the hook and named as its call (platform/tools.py): a
-        # helper never outlives the hook that started it.
-        self.proc = spawn(
-            [python, "-I", "-S", HELPER, library], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
-        )
+    what = "the driver helper"
+    # How long past a call's deadline the caller still waits for its reply.
+    grace = 0.0
+
+    def __init__(self, reader: Any, writer: Callable[[bytes], None], timeout: float):
+        self._reader = reader
+        self._writer = writer
         self.lock = threading.Lock()
         self.waiting: dict[int, tuple[threading.Event, list[dict]]] = {}
         self.next_id = 1
@@ -136,18 +145,17 @@ class _Helper:
         output can no longer be trusted: the helper is killed at once and
         every pending call fails with the reason, instead of waiting out
         its deadline. Whatever happens here, the callers are woken."""
-        assert self.proc.stdout is not None
-        why = "the driver helper exited"
+        gone = f"{self.what} exited"
+        why = gone
         try:
-            for line in self.proc.stdout:
+            for line in self._reader:
                 problem = self._take(line)
                 if problem:
-                    why = f"the driver helper wrote an unexpected line ({problem}): " \
-                          f"{line[:80]!r}"
+                    why = f"{self.what} wrote an unexpected line ({problem}): {line[:80]!r}"
                     break
         except Exception as exc:  # a reader that dies silently would strand every call
-            why = f"reading the driver helper failed: {type(exc).__name__}: {exc}"
-        if why != "the driver helper exited":
+            why = f"reading {self.what} failed: {type(exc).__name__}: {exc}"
+        if why != gone:
             self.kill(why)
         self._fail_all(why)
 
@@ -162,6 +170,9 @@ class _Helper:
         if "ready" in msg:
             self.hello = msg
             self.ready.set()
+            return None
+        if "lost" in msg:
+            self.kill(f"{self.what}: {msg['lost']}")
             return None
         with self.lock:
             entry = self.waiting.pop(msg.get("id"), None)  # type: ignore[arg-type]
@@ -180,17 +191,21 @@ class _Helper:
         for event, _ in entries:
             event.set()
 
+    def _end(self) -> None:
+        """End the other side's work at once (every pending call with it)."""
+
+    def _reap(self) -> None:
+        """Wait (bounded) for the other side to be gone, once callers are woken."""
+
     def kill(self, why: str) -> None:
         with self.lock:
             self.dead = self.dead or why
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._end()
         self._fail_all(why)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
+        self._reap()
 
     def call(self, request: dict, timeout: float) -> dict | None:
-        """The reply, or None when the call timed out (helper killed) or the helper died."""
+        """The reply, or None when the call timed out (channel killed) or the other side died."""
         event: threading.Event = threading.Event()
         box: list[dict] = []
         with self.lock:
@@ -199,19 +214,47 @@ class _Helper:
             ident = self.next_id
             self.next_id += 1
             self.waiting[ident] = (event, box)
-            line = json.dumps({**request, "id": ident}) + "\n"
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(line.encode())
-                self.proc.stdin.flush()
+                self._writer((json.dumps({**request, "id": ident}) + "\n").encode())
             except OSError:
                 self.waiting.pop(ident, None)
-                self.dead = "the driver helper exited"
+                self.dead = f"{self.what} exited"
                 return None
         if not event.wait(timeout):
             self.kill(f"a {request['op']} call outlived its deadline")
             return None
         return box[0] if box else None
+
+    def close(self) -> None:
+        self.kill("closed")
+
+
+class _Helper(_Channel):
+    """One helper process: one driver attach, calls multiplexed by id."""
+
+    def __init__(self, python: str, library: str, timeout: float):
+        # Bound to the hook and named as its call (platform/tools.py): a
+        # helper never outlives the hook that started it.
+        self.proc = spawn(
+            [python, "-I", "-S", HELPER, library], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
+        )
+        assert self.proc.stdin is not None
+        stdin = self.proc.stdin
+
+        def write(data: bytes) -> None:
+            stdin.write(data)
+            stdin.flush()
+
+        super().__init__(self.proc.stdout, write, timeout)
+
+    def _end(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def _reap(self) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
 
     def close(self) -> None:
         try:
@@ -223,6 +266,31 @@ class _Helper:
             self.proc.wait(2)
         except subprocess.TimeoutExpired:
             self.kill("closed")
+
+
+class AgentLink(_Channel):
+    """A session with the node agent (core/agent.py): a worker it attached
+    ahead of time, reached over its Unix socket. Ending it (a deadline, the
+    phase's end) closes the connection; the agent then abandons any call
+    still in flight with its worker, as a killed helper would be."""
+
+    what = "the driver agent"
+
+    def __init__(self, sock: Any, timeout: float):
+        from cudahook.core.agent import CLIENT_GRACE_S
+
+        self.grace = CLIENT_GRACE_S
+        self.sock = sock
+        sock.settimeout(None)
+        super().__init__(sock.makefile("rb"), sock.sendall, timeout)
+
+    def _end(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(2)  # SHUT_RDWR: the reader sees the end at once
+
+    def close(self) -> None:
+        self.kill("closed")
+        self.sock.close()
 
 
 class DriverAPI:
@@ -238,8 +306,11 @@ class DriverAPI:
         self._features = features
         self._probe = threading.Lock()
         self._start = threading.Lock()
-        self._helper: _Helper | None = None
+        self._helper: _Channel | None = None
         self.attaches = 0  # helpers started: one per phase unless a call hung
+        self.agent_sessions = 0  # phases (or parts) served by the node agent
+        self.container: str | None = None  # named to the node agent when known
+        self._agent_failed = False  # an agent session ended badly: helpers from now on
 
     @property
     def features(self) -> Features:
@@ -270,10 +341,15 @@ class DriverAPI:
                 f"the CUDA driver API on driver {self.features.version or '(unknown version)'} "
                 f"does not support {what}")
 
-    def _helper_for(self, pid: int, action: str) -> _Helper:
+    def _helper_for(self, pid: int, action: str) -> _Channel:
         with self._start:
             helper = self._helper
+            if isinstance(helper, AgentLink) and helper.dead:
+                # The rest of the phase (its rollback) never depends on the agent again.
+                self._agent_failed = True
             if helper is None or helper.dead:
+                helper = None if self._agent_failed else self._agent_link()
+            if helper is None:
                 try:
                     helper = _Helper(sys.executable, self.library, self.timeout)
                 except TimeoutError:
@@ -297,9 +373,23 @@ class DriverAPI:
                     f"{hello.get('error') or helper.dead or 'no answer'}")
             return helper
 
+    def _agent_link(self) -> AgentLink | None:
+        """A session with the node agent when one answers in time, else None."""
+        from cudahook.core.agent import open_session, start_detached
+
+        link = open_session(self.settings, self.settings.agent_connect_ms / 1000, self.container)
+        if link is not None:
+            self.agent_sessions += 1
+            self._helper = link
+        elif self.settings.agent == "auto":
+            start_detached(self.settings)  # for the next phases; this one attaches itself
+        return link  # type: ignore[no-any-return]
+
     def _call(self, pid: int, action: str, request: dict, timeout: float | None = None) -> object:
         helper = self._helper_for(pid, action)
-        reply = helper.call({**request, "op": action, "pid": pid}, timeout or self.timeout)
+        deadline = timeout or self.timeout
+        reply = helper.call({**request, "op": action, "pid": pid, "deadline_s": deadline},
+                            deadline + helper.grace)
         if reply is None:
             timed_out = "deadline" in (helper.dead or "")
             raise ToolError(pid, action, None,

@@ -15,11 +15,17 @@ hook's critical path.
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import os
 import stat
 import sys
 import threading
+
+# Annotations only: this file starts on the hook's critical path.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
 
 SYMBOLS = ("cuInit", "cuDriverGetVersion", "cuGetErrorName", "cuGetErrorString",
            "cuCheckpointProcessGetState", "cuCheckpointProcessGetRestoreThreadId",
@@ -559,54 +565,86 @@ def _check(code: int) -> None:
         raise CallFailed(code)
 
 
-def main(argv: list[str]) -> int:
-    out_lock = threading.Lock()
-    out = sys.stdout
+def answer(driver: Driver, req: dict) -> dict:
+    """The reply to one request: the value, or the CUresult with the
+    driver's own name and message."""
+    try:
+        return {"id": req["id"], "ok": True, "value": driver.call(req)}
+    except CallFailed as exc:
+        name, text = driver.describe(exc.code)
+        return {"id": req["id"], "ok": False, "code": exc.code, "name": name, "error": text}
+    except (Refused, PutBack, OSError) as exc:  # custom storage: the image, or a put-back
+        return {"id": req["id"], "ok": False, "code": 1, "name": "custom storage",
+                "error": str(exc)}
+    except (KeyError, TypeError, ValueError) as exc:
+        return {"id": req.get("id"), "ok": False, "code": 1, "name": "bad request",
+                "error": str(exc)}
+
+
+def replier(out) -> Callable[[dict], None]:  # type: ignore[no-untyped-def]
+    """One JSON line per message on `out` (a binary or text file), whole
+    lines only: replies come from many threads."""
+    lock = threading.Lock()
 
     def say(msg: dict) -> None:
         line = json.dumps(msg) + "\n"
-        with out_lock:
-            out.write(line)
+        data = line if isinstance(out, io.TextIOBase) else line.encode()
+        with lock:
+            out.write(data)
             out.flush()
 
-    try:
-        driver = Driver(argv[0])
-    except OSError as exc:
-        say({"ready": False, "stage": "load", "error": str(exc)})
-        return 1
-    except LookupError as exc:
-        say({"ready": False, "stage": "symbols", "error": f"missing {exc}"})
-        return 1
-    code = driver.lib.cuInit(0)
-    if code != 0:
-        name, text = driver.describe(code)
-        say({"ready": False, "stage": "init", "code": code, "name": name, "error": text})
-        return 1
-    version = ctypes.c_int(0)
-    driver.lib.cuDriverGetVersion(ctypes.byref(version))
-    storage, why = custom_storage(driver.lib, version.value)
-    say({"ready": True, "cuda_version": version.value, "pid": os.getpid(),
-         "custom_storage": storage, "custom_storage_why": why})
+    return say
 
-    def serve(req: dict) -> None:
-        try:
-            say({"id": req["id"], "ok": True, "value": driver.call(req)})
-        except CallFailed as exc:
-            name, text = driver.describe(exc.code)
-            say({"id": req["id"], "ok": False, "code": exc.code, "name": name, "error": text})
-        except (Refused, PutBack, OSError) as exc:  # custom storage: the image, or a put-back
-            say({"id": req["id"], "ok": False, "code": 1, "name": "custom storage",
-                 "error": str(exc)})
-        except (KeyError, TypeError, ValueError) as exc:
-            say({"id": req.get("id"), "ok": False, "code": 1, "name": "bad request",
-                 "error": str(exc)})
 
-    for line in sys.stdin:
+def serve_lines(lines: Iterable, handle: Callable[[dict], dict | None],
+                say: Callable[[dict], None]) -> None:
+    """The protocol's serving loop, shared by this helper (stdin/stdout) and
+    the node agent (a Unix socket): one JSON request per line, each handled
+    on its own thread (the engine drives processes in parallel), its reply
+    said as one line when `handle` returns one. Returns at end of input."""
+
+    def one(req: dict) -> None:
+        reply = handle(req)
+        if reply is not None:
+            say(reply)
+
+    for line in lines:
         try:
             req = json.loads(line)
         except ValueError:
             continue
-        threading.Thread(target=serve, args=(req,), daemon=True).start()
+        if isinstance(req, dict):
+            threading.Thread(target=one, args=(req,), daemon=True).start()
+
+
+def attach(path: str) -> tuple[Driver | None, dict]:
+    """Load libcuda and call cuInit once (the attach): the driver, and the
+    hello line that says whether it is ready."""
+    try:
+        driver = Driver(path)
+    except OSError as exc:
+        return None, {"ready": False, "stage": "load", "error": str(exc)}
+    except LookupError as exc:
+        return None, {"ready": False, "stage": "symbols", "error": f"missing {exc}"}
+    code = driver.lib.cuInit(0)
+    if code != 0:
+        name, text = driver.describe(code)
+        return None, {"ready": False, "stage": "init", "code": code, "name": name,
+                      "error": text}
+    version = ctypes.c_int(0)
+    driver.lib.cuDriverGetVersion(ctypes.byref(version))
+    storage, why = custom_storage(driver.lib, version.value)
+    return driver, {"ready": True, "cuda_version": version.value, "pid": os.getpid(),
+                    "custom_storage": storage, "custom_storage_why": why}
+
+
+def main(argv: list[str]) -> int:
+    say = replier(sys.stdout)
+    driver, hello = attach(argv[0])
+    say(hello)
+    if driver is None:
+        return 1
+    serve_lines(sys.stdin, lambda req: answer(driver, req), say)
     # The hook closed our stdin: it is done (or gone). Calls still inside the
     # driver are abandoned with the process.
     os._exit(0)

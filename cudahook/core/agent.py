@@ -1,0 +1,635 @@
+"""The node agent: driver calls served warm, so that no driver attach (cuInit,
+seconds on real nodes) sits on a checkpoint's or a restore's critical path.
+
+One long-lived process per node (`cudahook agent start`, or
+`python -m cudahook.core.agent`) keeps driver workers attached ahead of
+time and serves the hooks' driver-API calls over a Unix socket in the
+state directory, with the driver helper's own line protocol
+(backends/driver_helper.py). It is conservative by construction:
+
+- Off unless it is up. The driver-API backend tries the socket with a short
+  deadline (`agent_connect_ms`); no socket, no answer in time, a refusal, or
+  no worker attached yet ("cold") and the phase uses its own helper, as
+  without an agent. Once an agent session failed, the rest of the phase
+  (its rollback) runs in a fresh per-phase helper.
+- A worker is a driver helper process (one attach each), started by the
+  agent before any hook needs it. Each hook session gets a worker of its
+  own: the sessions of several containers run in parallel, and a call that
+  hangs costs its own session's worker (killed at the call's deadline, as
+  the hook kills its helper), never the agent or another container's calls.
+  A worker whose session ended cleanly goes back to the pool, still
+  attached. The driver has no abort call: ending the process that makes a
+  call is the only way to end the call, hence processes, not threads.
+- Trust: the socket is 0600 in the private state directory, and every peer
+  is checked with SO_PEERCRED (uid 0 or the agent's own); the session's
+  hello names the calling hook (PID and start time, which must be the peer
+  itself), its container and its run (`CUDAHOOK_CALLS_OF`, platform/tools.py).
+  Each call names its one target PID and only its known fields are passed on.
+- No driver call outlives its phase: a session whose hook went away with a
+  call in flight has its worker killed and reaped; the guardian and the
+  restore watcher ask the agent to end the calls of a run (`end_calls`) and
+  wait for that, as they end per-call processes by name.
+- A changed driver (`driver_version_file`) makes the agent refuse new
+  sessions, end the calls of the old driver's sessions, and re-execute
+  itself before serving another call. `agent_idle_s` > 0: it exits after
+  that long without a session.
+- Workers are bound to the agent (platform/tools.py `spawn`): an agent that
+  dies takes its workers with it; its clients see their channel end, as
+  for a helper that died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import struct
+import time
+
+# typing costs milliseconds at every hook start: annotations only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from cudahook.core.backends.driver_api import _Helper
+    from cudahook.platform.config import Settings
+
+SOCKET = "agent.sock"
+PIDFILE = "agent.pid"
+LOCKFILE = "agent.lock"
+# The calls a worker serves, and the fields of a call passed on to it.
+OPS = ("get-state", "get-restore-tid", "lock", "checkpoint", "restore", "unlock")
+FIELDS = ("op", "pid", "timeout_ms", "pairs")
+# Past a call's deadline the agent answers "lost" first; the client's own
+# deadline comes this much later (it only fires for an agent that hangs).
+CLIENT_GRACE_S = 1.0
+HELLO_MAX = 64 << 10
+VERSION_MAX = 4096
+
+
+def socket_path(settings: Settings) -> str:
+    return os.path.join(settings.state_dir, SOCKET)
+
+
+def pid_path(settings: Settings) -> str:
+    return os.path.join(settings.state_dir, PIDFILE)
+
+
+def peer_of(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, from the kernel."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def trusted_uid(uid: int) -> bool:
+    """Root, or the agent's own user (an agent a test runs unprivileged)."""
+    return uid in (0, os.geteuid())
+
+
+def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall((json.dumps(msg) + "\n").encode())
+
+
+def _read_line(sock: socket.socket, deadline: float) -> bytes:
+    """One line, at most HELLO_MAX bytes, before `deadline` (monotonic)."""
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no line in time")
+        sock.settimeout(left)
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionError("closed before a line")
+        buf += chunk
+        if len(buf) > HELLO_MAX:
+            raise ValueError("line too long")
+    return buf
+
+
+def _connect(settings: Settings, timeout: float) -> socket.socket | None:
+    """A connection to this node's agent, its peer checked; None when none answers."""
+    path = socket_path(settings)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        if not trusted_uid(peer_of(sock)[1]):
+            raise PermissionError(f"{path}: served by an untrusted uid")
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
+def ask(settings: Settings, control: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+    """One control request (status, end-calls) and its answer; None when no
+    agent answers within `timeout`."""
+    sock = _connect(settings, min(timeout, 1.0))
+    if sock is None:
+        return None
+    try:
+        _send(sock, {"control": control})
+        reply = json.loads(_read_line(sock, time.monotonic() + timeout))
+        return reply if isinstance(reply, dict) else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        sock.close()
+
+
+def end_calls(settings: Settings, name: str, wait_s: float) -> list[int]:
+    """Have this node's agent end every driver call of the run `name` and
+    wait until none is left (platform/tools.py end_calls' counterpart): the
+    worker PIDs still alive after wait_s - [] when all ended or no agent is
+    up. An agent that is up but does not answer may hold calls of the run:
+    its own PID is returned then, so that the workload is reported unsafe
+    rather than read while a call may still change it."""
+    if not os.path.exists(socket_path(settings)):
+        return []
+    reply = ask(settings, {"op": "end-calls", "calls_of": name, "wait_s": wait_s},
+                wait_s + 5.0)
+    if reply is not None:
+        stuck = reply.get("stuck")
+        return [p for p in stuck if type(p) is int] if isinstance(stuck, list) else []
+    pid = running_pid(settings)
+    return [pid] if pid else []
+
+
+def running_pid(settings: Settings) -> int | None:
+    """The PID of the agent the pid file names, when that process lives."""
+    from pathlib import Path
+
+    from cudahook.platform.store import process_alive, read_json
+
+    data = read_json(Path(pid_path(settings)))
+    if isinstance(data, dict) and process_alive(data.get("pid"), data.get("start")):
+        return int(data["pid"])
+    return None
+
+
+def status(settings: Settings, timeout: float = 5.0) -> dict[str, Any] | None:
+    return ask(settings, {"op": "status"}, timeout)
+
+
+def open_session(settings: Settings, timeout: float, container: str | None = None) -> Any:
+    """An `AgentLink` to a warm worker of this node's agent, or None (no
+    agent, no answer in `timeout`, refused, cold): then the caller attaches
+    itself, as without an agent. `container`: the container the calls are
+    for, when the caller knows it (the run's name says which CRIU run)."""
+    sock = _connect(settings, timeout)
+    if sock is None:
+        return None
+    from cudahook.platform.host import Host
+    from cudahook.platform.tools import CALLS_ENV
+
+    me = os.getpid()
+    hello = {"hook": [me, Host().start_time(me)], "container": container,
+             "calls_of": os.environ.get(CALLS_ENV)}
+    try:
+        _send(sock, {"hello": hello})
+        from cudahook.core.backends.driver_api import AgentLink
+
+        link = AgentLink(sock, timeout)
+    except (OSError, TimeoutError):
+        sock.close()
+        return None
+    if not link.hello.get("ready"):
+        link.close()
+        return None
+    return link
+
+
+def start_detached(settings: Settings) -> Any:
+    """Start this node's agent in a session of its own, outliving the caller:
+    not bound to it and not carrying its calls' name (the agent's calls
+    belong to no one run). A second agent exits at once (its lock file)."""
+    import subprocess
+    import sys
+
+    from cudahook.platform.tools import calls_env
+
+    return subprocess.Popen(
+        [sys.executable, "-I", "-m", "cudahook.core.agent", "--settings-json",
+         json.dumps(settings.as_dict())],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True, env=calls_env(),
+    )
+
+
+# -- the agent process -----------------------------------------------------------
+
+
+class _Session:
+    """One hook's phase: its worker and its calls in flight."""
+
+    def __init__(self, worker: _Helper, hook: list[int], container: Any, calls_of: Any,
+                 conn: socket.socket):
+        self.worker = worker
+        self.conn = conn
+        self.hook = hook
+        self.container = container if isinstance(container, str) else None
+        self.calls_of = calls_of if isinstance(calls_of, str) else None
+        self.in_flight = 0
+
+
+class Agent:
+    def __init__(self, settings: Settings, spare: int = 2, max_idle: int = 8):
+        import threading
+
+        self.settings = settings
+        self.spare = max(1, spare)
+        self.max_idle = max(self.spare, max_idle)
+        self.lock = threading.Lock()
+        self.idle: list[_Helper] = []
+        self.warming = 0
+        self.sessions: set[_Session] = set()
+        self.version = self._read_version()
+        self.restarting = False
+        self.stopping = False
+        self.last_active = time.monotonic()
+        self.served = 0
+        self.listener: socket.socket | None = None
+
+    # -- the driver and its workers ------------------------------------------------
+
+    def _read_version(self) -> bytes | None:
+        try:
+            with open(self.settings.driver_version_file, "rb") as f:
+                return f.read(VERSION_MAX)
+        except OSError:
+            return None
+
+    def driver_changed(self) -> bool:
+        """Whether the driver changed since this agent started; from then on
+        it serves nothing more and restarts."""
+        if not self.restarting and self._read_version() != self.version:
+            self.restarting = True
+        return self.restarting
+
+    def _start_worker(self) -> _Helper | None:
+        import sys
+
+        from cudahook.core.backends.driver_api import _Helper
+
+        try:
+            worker = _Helper(sys.executable, self.settings.libcuda, self.settings.call_timeout_s)
+        except (OSError, TimeoutError):
+            return None
+        if not worker.hello.get("ready") or worker.dead:
+            worker.kill("not ready")
+            return None
+        return worker
+
+    def _warm(self) -> None:
+        """Start workers in the background until `spare` are idle or warming."""
+        import threading
+
+        with self.lock:
+            if self.restarting or self.stopping:
+                return
+            need = self.spare - len(self.idle) - self.warming
+            self.warming += max(0, need)
+        for _ in range(max(0, need)):
+            threading.Thread(target=self._warm_one, daemon=True).start()
+
+    def _warm_one(self) -> None:
+        worker = self._start_worker()
+        with self.lock:
+            self.warming -= 1
+            if worker is not None and not (self.restarting or self.stopping):
+                self.idle.append(worker)
+                worker = None
+        if worker is not None:
+            worker.kill("not needed")
+
+    def _take_worker(self) -> _Helper | None:
+        with self.lock:
+            while self.idle:
+                worker = self.idle.pop()
+                if not worker.dead:
+                    break
+            else:
+                worker = None
+            empty = not self.idle
+        # A replacement starts (a process start and an attach: CPU beside the
+        # phase) only when no worker is left for the next session; a worker
+        # whose session ends cleanly comes back to the pool.
+        if empty:
+            self._warm()
+        return worker
+
+    def _give_back(self, worker: _Helper) -> None:
+        with self.lock:
+            if not worker.dead and not self.restarting and not self.stopping \
+                    and len(self.idle) < self.max_idle:
+                self.idle.append(worker)
+                return
+        worker.kill("not needed")
+
+    # -- sessions ------------------------------------------------------------------
+
+    def handle(self, conn: socket.socket) -> None:
+        try:
+            self._handle(conn)
+        except (OSError, ValueError, TimeoutError, ConnectionError):
+            pass
+        finally:
+            conn.close()
+
+    def _handle(self, conn: socket.socket) -> None:
+        pid, uid, _ = peer_of(conn)
+        if not trusted_uid(uid):
+            _send(conn, {"ready": False, "stage": "refused",
+                         "error": f"peer uid {uid} is not trusted"})
+            self._log("agent", error=f"refused a connection from pid {pid}, uid {uid}")
+            return
+        # One reader for the hello and the calls after it: nothing the client
+        # sent past the hello is lost in a buffer of its own.
+        conn.settimeout(5.0)
+        reader = conn.makefile("rb")
+        line = reader.readline(HELLO_MAX)
+        if not line.endswith(b"\n"):
+            raise ValueError("no hello line")
+        first = json.loads(line)
+        if not isinstance(first, dict):
+            raise ValueError("not an object")
+        if isinstance(first.get("control"), dict):
+            _send(conn, self._control(first["control"]))
+            return
+        hello = first.get("hello")
+        if not isinstance(hello, dict):
+            raise ValueError("no hello")
+        refusal = self._check_hello(hello, pid)
+        if refusal:
+            _send(conn, {"ready": False, "stage": "refused", "error": refusal})
+            return
+        if self.driver_changed() or self.stopping:
+            _send(conn, {"ready": False, "stage": "restart",
+                         "error": "the driver changed: restarting"})
+            return
+        worker = self._take_worker()
+        if worker is None:
+            # Answer at once: the hook attaches itself, never later than today.
+            _send(conn, {"ready": False, "stage": "cold", "error": "no worker attached yet"})
+            return
+        session = _Session(worker, hello["hook"], hello.get("container"), hello.get("calls_of"),
+                           conn)
+        with self.lock:
+            self.sessions.add(session)
+            self.served += 1
+        try:
+            self._serve(conn, reader, session)
+        finally:
+            self._end_session(session)
+
+    def _check_hello(self, hello: dict[str, Any], peer_pid: int) -> str | None:
+        from cudahook.platform.host import Host
+
+        hook = hello.get("hook")
+        if not (isinstance(hook, list) and len(hook) == 2 and all(type(x) is int for x in hook)):
+            return "the hello names no hook [pid, start time]"
+        if hook[0] != peer_pid:
+            return f"the hello names pid {hook[0]}, the caller is pid {peer_pid}"
+        if not Host().alive(hook[0], hook[1]):
+            return f"pid {hook[0]} with start time {hook[1]} is not the caller"
+        for key in ("container", "calls_of"):
+            value = hello.get(key)
+            if value is not None and not (isinstance(value, str) and len(value) <= 1024):
+                return f"bad {key}"
+        return None
+
+    def _serve(self, conn: socket.socket, reader: Any, session: _Session) -> None:
+        import threading
+
+        from cudahook.core.backends.driver_helper import serve_lines
+
+        conn.settimeout(None)
+        out_lock = threading.Lock()
+
+        def say(msg: dict[str, Any]) -> None:
+            with out_lock, contextlib.suppress(OSError):
+                _send(conn, msg)
+
+        def lost(ident: Any, why: str) -> dict[str, Any]:
+            # Ends the session: the client takes it as a helper that died.
+            say({"id": ident, "lost": why})
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            return None  # type: ignore[return-value]
+
+        def handle(req: dict[str, Any]) -> dict[str, Any] | None:
+            ident = req.get("id")
+            call = {k: req[k] for k in FIELDS if k in req}
+            if call.get("op") not in OPS or type(call.get("pid")) is not int \
+                    or call["pid"] <= 0 or type(ident) is not int:
+                return {"id": ident, "ok": False, "code": 1, "name": "bad request",
+                        "error": "a call names one op and one target pid"}
+            if self.driver_changed():
+                return lost(ident, "the driver changed under the agent")
+            deadline = self.settings.call_timeout_s
+            if call["op"] == "lock" and type(call.get("timeout_ms")) is int:
+                deadline += call["timeout_ms"] / 1000
+            asked = req.get("deadline_s")
+            if isinstance(asked, (int, float)) and 0 < asked < deadline:
+                deadline = float(asked)
+            with self.lock:
+                session.in_flight += 1
+            try:
+                reply = session.worker.call(call, deadline)
+            finally:
+                with self.lock:
+                    session.in_flight -= 1
+            if reply is None:
+                return lost(ident, session.worker.dead or "the driver worker exited")
+            return {**reply, "id": ident}
+
+        say({**session.worker.hello, "agent": os.getpid()})
+        serve_lines(reader, handle, say)
+
+    def _end_session(self, session: _Session) -> None:
+        """The hook closed its end (or went away). A call still in flight is
+        abandoned with its worker, killed and reaped before the session is
+        forgotten: nothing is left in the driver behind the guardian's back."""
+        with self.lock:
+            busy = session.in_flight > 0
+        if busy or session.worker.dead:
+            session.worker.kill("the hook left with a call in flight")
+        else:
+            self._give_back(session.worker)
+        with self.lock:
+            self.sessions.discard(session)
+            self.last_active = time.monotonic()
+        self._warm()  # a worker lost with the session is replaced
+
+    # -- control -------------------------------------------------------------------
+
+    def _control(self, control: dict[str, Any]) -> dict[str, Any]:
+        op = control.get("op")
+        if op == "status":
+            from cudahook.core.backends.cli import parse_nvrm
+
+            version = parse_nvrm((self.version or b"").decode(errors="replace")) or ""
+            with self.lock:
+                return {"ok": True, "pid": os.getpid(), "version": version,
+                        "sessions": len(self.sessions),
+                    "in_flight": sum(s.in_flight for s in self.sessions),
+                    "idle_workers": len(self.idle), "warming": self.warming,
+                    "busy_worker_pids": sorted(s.worker.proc.pid for s in self.sessions),
+                    "sessions_of": sorted([s.calls_of or "", s.container or "", *s.hook]
+                                          for s in self.sessions),
+                    "served": self.served, "restarting": self.restarting}
+        if op == "end-calls":
+            name = control.get("calls_of")
+            wait_s = control.get("wait_s")
+            if not isinstance(name, str) or not isinstance(wait_s, (int, float)):
+                return {"ok": False, "error": "end-calls needs calls_of and wait_s"}
+            return {"ok": True, "stuck": self.end_calls(name, float(wait_s))}
+        return {"ok": False, "error": f"unknown control {op!r}"}
+
+    def end_calls(self, name: str, wait_s: float) -> list[int]:
+        """Kill the worker of every session of run `name` (its calls with
+        it) and wait until each is gone; the PIDs still alive after wait_s."""
+        import signal
+
+        with self.lock:
+            mine = [s for s in self.sessions if s.calls_of == name]
+        for s in mine:
+            s.worker.dead = s.worker.dead or f"the calls of {name} were ended"
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.worker.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):  # the session ends too, idle or not
+                s.conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = [s.worker.proc.pid for s in mine if s.worker.proc.poll() is None]
+            with self.lock:
+                closing = any(s in self.sessions for s in mine)  # its calls answered yet
+            if not (left or closing) or time.monotonic() >= deadline:
+                if mine:
+                    self._log("agent", ended_calls_of=name, stuck=left)
+                return left
+            time.sleep(0.02)
+
+    # -- the process ---------------------------------------------------------------
+
+    def _log(self, event: str, **fields: object) -> None:
+        from cudahook.platform.eventlog import log
+
+        with contextlib.suppress(Exception):  # the log must never take the agent down
+            log(self.settings.log_file, event, **fields)  # type: ignore[arg-type]
+
+    def run(self) -> int:
+        """Serve until stopped (SIGTERM), idle past agent_idle_s, or the
+        driver changed (then re-execute); the exit status."""
+        import signal
+        import threading
+        from pathlib import Path
+
+        from cudahook.platform.atomic import write_json_atomic
+        from cudahook.platform.host import Host
+        from cudahook.platform.privdir import ensure_private_dir
+        from cudahook.platform.store import lock_file
+
+        state = ensure_private_dir(Path(self.settings.state_dir))
+        lock = lock_file(state / LOCKFILE, wait=False)
+        if lock is None:
+            print("cudahook-agent: another agent is running on this node")
+            return 3
+        path = socket_path(self.settings)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)  # 0600 from the start: no window with a wider mode
+        try:
+            listener.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        listener.listen(128)
+        listener.settimeout(0.2)
+        self.listener = listener
+        me = os.getpid()
+        write_json_atomic(pid_path(self.settings), {"pid": me, "start": Host().start_time(me)})
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        self._log("agent", started=me, socket=path)
+        self._warm()
+        idle_s = self.settings.agent_idle_s
+        why = "stopped"
+        while True:
+            try:
+                conn, _ = listener.accept()
+                with self.lock:
+                    self.last_active = time.monotonic()
+                threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+                continue
+            except TimeoutError:
+                pass
+            with self.lock:
+                busy = bool(self.sessions)
+                quiet = time.monotonic() - self.last_active
+            if self.stopping:
+                break
+            if self.driver_changed() and not busy:
+                why = "restart"
+                break
+            if idle_s > 0 and not busy and quiet >= idle_s:
+                why = f"idle for {idle_s:g}s"
+                break
+        self._shutdown(listener, path, lock)
+        self._log("agent", exited=me, why=why)
+        if why == "restart":
+            import sys
+
+            os.execv(sys.executable, sys.orig_argv)
+        return 0
+
+    def _shutdown(self, listener: socket.socket, path: str, lock: int) -> None:
+        """Stop listening, then end: sessions left their calls' deadlines to
+        finish (bounded); idle workers are killed."""
+        self.stopping = True  # no worker warming now joins the pool
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        listener.close()
+        deadline = time.monotonic() + self.settings.call_timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.sessions:
+                    break
+            time.sleep(0.05)
+        with self.lock:
+            workers = list(self.idle) + [s.worker for s in self.sessions]
+            self.idle.clear()
+        for w in workers:
+            w.kill("the agent exits")
+        with contextlib.suppress(OSError):
+            os.unlink(pid_path(self.settings))
+        os.close(lock)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from cudahook.platform.config import Settings, load
+    from cudahook.platform.errors import CudahookError, report
+
+    p = argparse.ArgumentParser(prog="cudahook-agent", description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="configuration file (default: the node's)")
+    p.add_argument("--settings-json", help=argparse.SUPPRESS)  # the settings, as one object
+    p.add_argument("--spare", type=int, default=2, help="idle attached workers kept ready")
+    args = p.parse_args(argv)
+    try:
+        settings = Settings(**json.loads(args.settings_json)) if args.settings_json \
+            else load(args.config)
+        return Agent(settings, spare=args.spare).run()
+    except CudahookError as exc:
+        return report(exc, prog="cudahook-agent")
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
