@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import stat
 from dataclasses import asdict, dataclass
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from cudahook.admin import registrations
-from cudahook.flow.checks import MIN_CRIU
 from cudahook.flow.context import Context
 from cudahook.platform import criu as criu_node
 from cudahook.platform import paths
@@ -30,11 +28,6 @@ class Check:
     status: str  # ok | warn | fail
     detail: str
     hint: str = ""
-
-
-def _version(text: str) -> tuple[int, ...]:
-    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
-    return tuple(int(x) for x in m.groups() if x is not None) if m else ()
 
 
 def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
@@ -56,13 +49,12 @@ def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
         checks.append(Check("criu", "fail", "criu not found on PATH",
                             "install CRIU >= 4.0, e.g. ./install.sh --with-criu"))
     else:
-        r = host.run([criu, "--version"], 10)
-        version = _version(r.stdout)
-        if version < MIN_CRIU:
-            checks.append(Check("criu", "fail", f"CRIU {'.'.join(map(str, version)) or '?'}",
+        version = criu_node.parse_version(host.run([criu, "--version"], 10).stdout)
+        if problem := criu_node.version_problem(version, criu):
+            checks.append(Check("criu", "fail", problem[1],
                                 "CRIU >= 4.0 is needed: ./install.sh --with-criu"))
         else:
-            checks.append(Check("criu", "ok", f"CRIU {'.'.join(map(str, version))} at {criu}"))
+            checks.append(Check("criu", "ok", f"CRIU {criu_node.version_text(version)} at {criu}"))
         r = host.run([criu, "check"], 60)
         good = r.ok and "Looks good" in (r.stdout + r.stderr)
         checks.append(Check("criu check", "ok" if good else "fail",
@@ -70,7 +62,7 @@ def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
                             "" if good else "run `criu check` and fix what it reports"))
         if (3, 19) <= version < (4, 2):
             checks.append(Check("criu action scripts", "warn",
-                                f"CRIU {'.'.join(map(str, version))} runs every action script "
+                                f"CRIU {criu_node.version_text(version)} runs every action script "
                                 "twice (CRIU issue #2727)",
                                 "nothing to do: cudahook runs each action once per CRIU run"))
     plugins = criu_node.cuda_plugins(root=root)

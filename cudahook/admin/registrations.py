@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cudahook.platform import criuconf, paths
+from cudahook.platform.criu import action_script
 
 CRIU_COMMENT = criuconf.COMMENT
 ACTION_NAME = criuconf.ACTION_NAME
@@ -97,10 +98,8 @@ def strip(kind: str, data: bytes, drop: Callable[[str], bool],
                 named = line[len(criuconf.GPU_ONLY):].split(" (", 1)[0].strip()
                 if criuconf.names_action(named) and drop(named):
                     continue
-            words = line.split(None, 1)
-            if (len(words) == 2 and words[0] == "action-script"
-                    and criuconf.names_action(words[1].strip().strip('"'))
-                    and drop(words[1].strip().strip('"'))):
+            script = action_script(line)
+            if script is not None and criuconf.names_action(script) and drop(script):
                 if keep and keep[-1].rstrip("\n") == CRIU_COMMENT:
                     keep.pop()
                 continue

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from cudahook.core import manifest
+from cudahook.platform import criu as criu_node
 from cudahook.platform import reasons
 from cudahook.platform.errors import CudahookError, Exit
 from cudahook.platform.record import Record
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 
     from cudahook.core.discovery import CudaProcess, Discovery
 
-# Below this CRIU version the checkpoint is refused (as `cudahook doctor` says).
-MIN_CRIU = (4, 0)
 # A remembered "never on this node" restore verdict is trusted this long; MIG
 # can be reconfigured without a reboot, and /run is emptied by one anyway.
 VERDICT_CACHE_TTL_S = 3600.0
@@ -232,21 +231,16 @@ def _driver(ctx: Context, v: Verdict) -> Any:
 
 
 def _criu(ctx: Context, v: Verdict) -> None:
-    import re
-
     v.checked.append("criu")
     criu = ctx.settings.tool("criu")
     if not os.access(criu, os.X_OK):
         v.add("CRIU_MISSING", f"{criu} not found")
         return
-    r = ctx.host.run([criu, "--version"], 10)
-    m = re.search(r"(\d+)\.(\d+)", r.stdout)
-    version = (int(m.group(1)), int(m.group(2))) if m else ()
-    v.facts["criu_version"] = ".".join(map(str, version)) or None
-    if not version:
-        v.add("CRIU_MISSING", f"{criu} --version said nothing recognisable")
-    elif version < MIN_CRIU:
-        v.add("CRIU_TOO_OLD", f"CRIU {v.facts['criu_version']} at {criu}")
+    version = criu_node.parse_version(ctx.host.run([criu, "--version"], 10).stdout)
+    # The verdict names the release (major.minor), as it always has.
+    v.facts["criu_version"] = ".".join(map(str, version[:2])) or None
+    if problem := criu_node.version_problem(version, criu):
+        v.add(*problem)
 
 
 def _criu_plugin(v: Verdict) -> None:
@@ -255,10 +249,8 @@ def _criu_plugin(v: Verdict) -> None:
     the dump with it; its restore has no device map, no rollback, no VMM
     step, and runs before post-resume. Two owners of one process's CUDA
     state is never safe."""
-    from cudahook.platform import criu
-
     v.checked.append("criu cuda plugin")
-    plugins = criu.cuda_plugins()
+    plugins = criu_node.cuda_plugins()
     if plugins:
         verb = "restore" if v.side == "restore" else "checkpoint"
         v.add("CRIU_CUDA_PLUGIN", f"CRIU's own CUDA plugin is installed ({', '.join(plugins)}) "

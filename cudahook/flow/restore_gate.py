@@ -9,6 +9,7 @@ the orchestrator should start the workload cold or restore it elsewhere.
 
 from __future__ import annotations
 
+from cudahook.core.backends import driver_major
 from cudahook.platform.errors import DeviceMapError, EnvironmentProblem, NotRestorableHere
 
 from . import annotations as ann
@@ -27,13 +28,13 @@ def plan_restore(ctx: Context, record: dict[str, Any] | None, opts: ann.Options,
     from cudahook.core.devicemap import check_targets, compute_device_map, parse_device_map
 
     feats = ctx.backend.features  # refuses when this node's driver version is unknown
-    have, had = feats.major, str(data.get("driver_version", "")).split(".")[0]
-    if not had.isdigit():
+    have, had = feats.major, driver_major(str(data.get("driver_version", "")))
+    if had is None:
         # Without it the branch check would pass by default: refuse instead.
         raise EnvironmentProblem(
             "the checkpoint does not record the driver version it was taken with: "
             "cannot check that this node runs the same driver branch", reason="MANIFEST_NO_DRIVER")
-    if int(had) != have:
+    if had != have:
         raise NotRestorableHere(
             f"checkpoint was taken with driver {data['driver_version']}, this node runs "
             f"{feats.version}: restore needs the same driver branch", reason="DRIVER_BRANCH")

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from . import paths
+from .criu import action_script
 from .errors import UsageError
 
 ACTION_NAME = "cudahook-criu-action"
@@ -150,12 +151,7 @@ def without_code(text: str, installed: str) -> tuple[str, list[str]]:
 
 def action_scripts(text: str) -> list[str]:
     """Every action script a CRIU configuration names (CRIU runs each one)."""
-    out = []
-    for line in text.splitlines():
-        words = line.split(None, 1)
-        if len(words) == 2 and words[0] == "action-script":
-            out.append(words[1].strip().strip('"'))
-    return out
+    return [s for line in text.splitlines() if (s := action_script(line)) is not None]
 
 
 def registration(text: str) -> tuple[str | None, str | None]:
@@ -179,9 +175,8 @@ def without_ours(text: str) -> str:
     """`text` without cudahook's lines: its action scripts and its comments."""
     keep = []
     for line in text.splitlines(keepends=True):
-        words = line.split(None, 1)
-        if len(words) == 2 and words[0] == "action-script" and names_action(
-                words[1].strip().strip('"')):
+        script = action_script(line)
+        if script is not None and names_action(script):
             continue
         if line.startswith("# cudahook: "):
             continue

@@ -32,7 +32,7 @@ from cudahook.platform.errors import EnvironmentProblem, ToolError
 from cudahook.platform.host import Host
 from cudahook.platform.tools import spawn
 
-from . import CHECKPOINTED, RUNNING, STATES, Features
+from .base import CHECKPOINTED, RUNNING, STATES, Features, driver_major
 from .cli import driver_version
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "driver_helper.py")
@@ -41,8 +41,7 @@ MIN_MAJOR = 570  # cuCheckpointProcess* first shipped with R570 (CUDA 12.8)
 
 def features_for(version: str) -> Features:
     """What the driver API can do on this driver release (nothing before R570)."""
-    head = version.split(".", 1)[0]
-    major = int(head) if head.isdigit() else 0
+    major = driver_major(version) or 0
     api = major >= MIN_MAJOR
     return Features(version=version, toggle=api, actions=api, get_state=api, restore_tid=api,
                     device_map=major >= 580, launch_job=major >= 590)
