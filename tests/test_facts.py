@@ -150,3 +150,14 @@ def test_the_graph_sees_function_local_imports() -> None:
 def test_no_import_cycles() -> None:
     found = cycles(import_graph())
     assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_cacheable_reasons_are_never_here_and_about_the_node() -> None:
+    # A remembered refusal is given again without looking: only one no
+    # retry on this node can change, and not one a fresh copy of the image
+    # mends (its files, its manifest).
+    from cudahook.platform import reasons
+
+    cacheable = sorted(r.code for r in reasons.REASONS.values() if r.cacheable)
+    assert cacheable == ["DEVICE_MAP_UNSUPPORTED", "DRIVER_BRANCH", "GPU_MISMATCH", "GPU_MISSING"]
+    assert all(reasons.get(c).never_here and reasons.get(c).side == "restore" for c in cacheable)

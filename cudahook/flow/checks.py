@@ -280,9 +280,7 @@ def _stopped(ctx: Context, v: Verdict, pids: list[int], *, traced: bool) -> bool
     bad = []
     for pid in pids:
         with contextlib.suppress(Exception):
-            status = ctx.host.status(pid)
-            if status.get("State", "")[:1] in ("t", "T") or (
-                    traced and status.get("TracerPid", "0") != "0"):
+            if ctx.host.stopped(pid, traced=traced):
                 bad.append(pid)
     if bad:
         v.add("PROCESS_STOPPED", "pid(s) " + ", ".join(map(str, bad)) + " stopped or traced")
@@ -494,7 +492,7 @@ def _host_memory(ctx: Context, v: Verdict, procs: list[CudaProcess],
         return
     by_cgroup: dict[str, tuple[int, int]] = {}
     for p in procs:
-        room = cgroup_room(ctx.host, p.pid)
+        room = ctx.host.memory_room(p.pid)
         if room is not None:
             where, left = room
             by_cgroup[where] = (left, by_cgroup.get(where, (left, 0))[1] + gpu.get(p.pid, 0))
@@ -535,40 +533,6 @@ def mem_available(proc: Path) -> int | None:
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
-
-
-# cgroup v1 reports "no limit" as a huge page-rounded number.
-_NO_LIMIT = 1 << 60
-
-
-def cgroup_room(host: Any, pid: int) -> tuple[str, int] | None:
-    """(cgroup, bytes left under its memory limit) of the process's memory
-    cgroup, v2 or v1; None without a limit."""
-    try:
-        entries = host.cgroup_paths(pid)
-    except Exception:
-        return None
-    for controllers, path in entries:
-        if path in ("", "/"):
-            continue
-        if controllers == "":
-            files = [(b / path.lstrip("/"), "memory.max", "memory.current")
-                     for b in (host.cgroup_root, host.cgroup_root / "unified")]
-        elif "memory" in controllers.split(","):
-            files = [(host.cgroup_root / "memory" / path.lstrip("/"), "memory.limit_in_bytes",
-                      "memory.usage_in_bytes")]
-        else:
-            continue
-        for d, limit_name, usage_name in files:
-            try:
-                limit_text = (d / limit_name).read_text().strip()
-                usage = int((d / usage_name).read_text().strip())
-            except (OSError, ValueError):
-                continue
-            if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= _NO_LIMIT:
-                continue
-            return path, max(0, int(limit_text) - usage)
     return None
 
 
@@ -626,8 +590,7 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
                   f"the image needs it: not executable: {ctx.settings.tool('vmm_coordinator')}")
     if not v.problems:
         _restore_persistence(ctx, v, v.facts.get("device_map"), data)
-    if key and v.problems and all(p.reason.never_here for p in v.problems) and not any(
-            p.code.startswith(("IMAGE_", "MANIFEST_")) for p in v.problems):
+    if key and v.problems and all(p.reason.cacheable for p in v.problems):
         _cache_put(ctx, key, v)
     return v
 

@@ -21,6 +21,10 @@ class Reason(Record, frozen=True):
     exit: Exit  # what a hook refusing for this reason exits with
     text: str  # one line: what is wrong
     hint: str  # one line: what to do about it
+    # A refusal for this reason is remembered per image manifest and node
+    # (flow/checks: the restore verdict cache): it is never here (exit 6)
+    # and about the node, not the image's bytes, which a copy can mend.
+    cacheable: bool = False
 
     @property
     def never_here(self) -> bool:
@@ -111,16 +115,16 @@ _ALL = [
            "copy the image again from its source, or start the workload cold"),
     Reason("DRIVER_BRANCH", "restore", Exit.NOT_HERE,
            "the checkpoint was taken with another driver branch",
-           "restore on a node with the same driver branch, or start the workload cold"),
+           "restore on a node with the same driver branch, or start the workload cold", cacheable=True),
     Reason("GPU_MISSING", "restore", Exit.NOT_HERE,
            "a GPU the restore needs is not on this node",
-           "restore on a node with those GPUs, or give a device map"),
+           "restore on a node with those GPUs, or give a device map", cacheable=True),
     Reason("GPU_MISMATCH", "restore", Exit.NOT_HERE,
            "this node's GPUs differ in count, model or memory from the checkpoint's",
-           "restore on a node with the same GPU model and at least as much memory"),
+           "restore on a node with the same GPU model and at least as much memory", cacheable=True),
     Reason("DEVICE_MAP_UNSUPPORTED", "restore", Exit.NOT_HERE,
            "the restore moves GPUs but this driver cannot remap (R580 or newer needed)",
-           "restore onto the same GPUs, or on a node with driver R580+"),
+           "restore onto the same GPUs, or on a node with driver R580+", cacheable=True),
     Reason("DEVICE_MAP_INVALID", "restore", Exit.ENVIRONMENT,
            "the device map given does not cover every GPU of the checkpoint",
            "name every GPU of the checkpoint in cudahook.io/device-map"),
