@@ -36,6 +36,7 @@ from pathlib import Path
 from . import paths
 from .criu import action_script
 from .errors import UsageError
+from .ids import check_key
 
 ACTION_NAME = "cudahook-criu-action"
 # runc's annotation naming a container's CRIU configuration file ("" = none;
@@ -213,8 +214,6 @@ def conf_dir(state_dir: str | os.PathLike[str]) -> Path:
 
 def conf_path(state_dir: str | os.PathLike[str], key: str) -> Path:
     """The copy's path; UsageError for a key the state directory never names."""
-    from .store import check_key
-
     return conf_dir(state_dir) / f"{check_key(key)}.conf"
 
 
