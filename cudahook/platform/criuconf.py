@@ -34,9 +34,12 @@ import time
 from pathlib import Path
 
 from . import paths
+from .atomic import write_atomic
 from .criu import action_script
 from .errors import UsageError
 from .ids import check_key
+from .privdir import ensure_private_dir
+from .safeio import read_bytes
 
 ACTION_NAME = "cudahook-criu-action"
 # runc's annotation naming a container's CRIU configuration file ("" = none;
@@ -197,8 +200,6 @@ def read_base(path: str) -> str:
     ignores a file that does not exist), read as an outside file: FileRefused
     for a symlink, a FIFO or device, a file past MAX_CONF, or no answer
     within safeio's deadline; OSError if it cannot be read."""
-    from .safeio import read_bytes
-
     if not path:
         return ""
     try:
@@ -224,9 +225,6 @@ def is_copy(path: str, state_dir: str | os.PathLike[str]) -> bool:
 def write(state_dir: str | os.PathLike[str], key: str, text: str) -> Path:
     """Write a container's copy (0600 in a root-only directory). Past
     MAX_FILES copies, stale ones go first; if none is, raises OSError."""
-    from .atomic import write_atomic
-    from .privdir import ensure_private_dir
-
     path = conf_path(state_dir, key)
     ensure_private_dir(Path(state_dir))
     ensure_private_dir(path.parent)

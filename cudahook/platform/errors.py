@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from enum import IntEnum
 
+from .eventlog import log
 from .text import escape_lines, one_line  # noqa: F401 - imported from here by others
 
 
@@ -128,9 +129,7 @@ def report(exc: BaseException, prog: str = "cudahook", log_file: str | None = No
     else:
         text, code = f"internal error: {type(exc).__name__}: {exc}", int(Exit.FAILED)
         if log_file:
-            import traceback
-
-            from .eventlog import log
+            import traceback  # 2 ms at every start, for a bug's report only
 
             log(log_file, "internal-error", exception=one_line(f"{type(exc).__name__}: {exc}"),
                 traceback="".join(traceback.format_exception(exc))[-20000:])

@@ -22,14 +22,19 @@ a lock and a CRIU configuration.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from . import busy, marks
-from .atomic import write_json_atomic  # noqa: F401 - imported from here by others
+from .atomic import (
+    write_atomic,
+    write_json_atomic,  # noqa: F401 - imported from here by others
+)
 from .errors import StateError, UsageError
+from .host import Host
 from .ids import (  # noqa: F401 - imported from here by others
     ID,
     ID_CUT,
@@ -42,6 +47,7 @@ from .ids import (  # noqa: F401 - imported from here by others
 )
 from .locks import LOCK_WAIT_S, LockTimeout, lock_file, names_file  # noqa: F401 - as ids
 from .privdir import ensure_private_dir
+from .safeio import FileRefused, load_json
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -63,10 +69,6 @@ def write_bounded(path: Path, data: Any, *, compact: bool = False, durable: bool
     TooLarge, and the file stays as it was. A file past the cap would be
     read back as absent (read_json), so one oversized write would cost
     everything the file held, not just its own addition."""
-    import json
-
-    from .atomic import write_atomic
-
     text = (json.dumps(data, separators=(",", ":")) if compact
             else json.dumps(data, indent=1, sort_keys=True)).encode()
     if len(text) > MAX_FILE:
@@ -77,8 +79,6 @@ def write_bounded(path: Path, data: Any, *, compact: bool = False, durable: bool
 def read_json(path: Path) -> Any | None:
     """The file's JSON, or None when it is missing or not what cudahook wrote
     (a symlink, a directory, a FIFO, too large, not JSON, nested too deeply)."""
-    from cudahook.platform.safeio import FileRefused, load_json
-
     try:
         return load_json(path, MAX_FILE)
     except (OSError, FileRefused):
@@ -96,13 +96,11 @@ def process_alive(pid: Any, start: Any = None) -> bool:
     """A live (not zombie) process; with `start`, the same one as then."""
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    from .host import Host
-
     return Host().alive(pid, start if isinstance(start, int) else None)
 
 
 def _remove(path: Path) -> None:
-    import shutil
+    import shutil  # 2 ms at a hook start, for a gone CRIU run's directory only
 
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
