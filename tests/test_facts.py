@@ -29,6 +29,8 @@ FACTS: dict[str, tuple[str, str, bool]] = {
     "CRIU plugin directories": ("platform/criu.py", r"\"/usr/lib/criu\"", True),
     # How a CRIU configuration line names an action script.
     "action-script tokenizer": ("platform/criu.py", r"\[0\] == \"action-script\"", True),
+    # The script gpu-only registration's comment in runc.conf names.
+    "gpu-only comment": ("platform/criuconf.py", r"len\([\w.]*GPU_ONLY\)", True),
     # The cgroup v1/v2 memory limit and usage files.
     "cgroup memory files": ("platform/cgroups.py",
                             r"\"memory\.(max|current|limit_in_bytes|usage_in_bytes)\"", True),

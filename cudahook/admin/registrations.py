@@ -94,10 +94,9 @@ def strip(kind: str, data: bytes, drop: Callable[[str], bool],
         lines = data.decode(errors="surrogateescape").splitlines(keepends=True)
         keep: list[str] = []
         for line in lines:
-            if line.startswith(criuconf.GPU_ONLY):  # gpu-only's comment names the script
-                named = line[len(criuconf.GPU_ONLY):].split(" (", 1)[0].strip()
-                if criuconf.names_action(named) and drop(named):
-                    continue
+            named = criuconf.gpu_only_script(line)  # gpu-only's comment names the script
+            if named is not None and criuconf.names_action(named) and drop(named):
+                continue
             script = action_script(line)
             if script is not None and criuconf.names_action(script) and drop(script):
                 if keep and keep[-1].rstrip("\n") == CRIU_COMMENT:

@@ -166,9 +166,16 @@ def registration(text: str) -> tuple[str | None, str | None]:
     if ours:
         return "global", ours[0]
     for line in text.splitlines():
-        if line.startswith(GPU_ONLY):
-            return "gpu-only", line[len(GPU_ONLY):].split(" (", 1)[0].strip()
+        if (script := gpu_only_script(line)) is not None:
+            return "gpu-only", script
     return None, None
+
+
+def gpu_only_script(line: str) -> str | None:
+    """The script gpu-only's comment line (gpu_only_line) names, or None."""
+    if line.startswith(GPU_ONLY):
+        return line[len(GPU_ONLY):].split(" (", 1)[0].strip()
+    return None
 
 
 def gpu_only_line(script: str) -> str:
