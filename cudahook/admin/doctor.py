@@ -47,12 +47,12 @@ def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
     criu = shutil.which("criu")
     if not criu:
         checks.append(Check("criu", "fail", "criu not found on PATH",
-                            "install CRIU >= 4.0, e.g. ./install.sh --with-criu"))
+                            criu_node.INSTALL_HINT))
     else:
         version = criu_node.parse_version(host.run([criu, "--version"], 10).stdout)
         if problem := criu_node.version_problem(version, criu):
             checks.append(Check("criu", "fail", problem[1],
-                                "CRIU >= 4.0 is needed: ./install.sh --with-criu"))
+                                criu_node.INSTALL_HINT))
         else:
             checks.append(Check("criu", "ok", f"CRIU {criu_node.version_text(version)} at {criu}"))
         r = host.run([criu, "check"], 60)
@@ -60,7 +60,7 @@ def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
         checks.append(Check("criu check", "ok" if good else "fail",
                             "Looks good" if good else (r.stderr.strip().splitlines() or ["failed"])[-1],
                             "" if good else "run `criu check` and fix what it reports"))
-        if (3, 19) <= version < (4, 2):
+        if criu_node.TWICE[0] <= version < criu_node.TWICE[1]:
             checks.append(Check("criu action scripts", "warn",
                                 f"CRIU {criu_node.version_text(version)} runs every action script "
                                 "twice (CRIU issue #2727)",

@@ -38,6 +38,13 @@ def version_text(version: tuple[int, ...]) -> str:
     return ".".join(map(str, version)) or "?"
 
 
+# What to do about a missing or too old CRIU (doctor and the reason codes).
+INSTALL_HINT = f"install CRIU >= {version_text(MIN_VERSION)}, e.g. ./install.sh --with-criu"
+# CRIU 3.19 up to 4.2 runs every action script twice per dump or restore
+# (a CRIU bug): cudahook runs each action once per CRIU run.
+TWICE = ((3, 19), (4, 2))
+
+
 def version_problem(version: tuple[int, ...], criu: str) -> tuple[str, str] | None:
     """(reason code, one line) when the CRIU at `criu`, of `version` (from
     parse_version), cannot be used; None when it can."""

@@ -11,6 +11,7 @@ the runtime only see that); `cudahook check` reduces every problem to 1
 
 from __future__ import annotations
 
+from .criu import INSTALL_HINT, MIN_VERSION, version_text
 from .errors import Exit
 from .record import Record
 
@@ -86,10 +87,10 @@ _ALL = [
     # -- CRIU --------------------------------------------------------------------
     Reason("CRIU_MISSING", "checkpoint", Exit.ENVIRONMENT,
            "CRIU is not installed",
-           "install CRIU >= 4.0, e.g. ./install.sh --with-criu"),
+           INSTALL_HINT),
     Reason("CRIU_TOO_OLD", "checkpoint", Exit.ENVIRONMENT,
-           "CRIU is older than 4.0",
-           "install CRIU >= 4.0, e.g. ./install.sh --with-criu"),
+           f"CRIU is older than {version_text(MIN_VERSION)}",
+           INSTALL_HINT),
     Reason("CRIU_CUDA_PLUGIN", "both", Exit.ENVIRONMENT,
            "CRIU's own CUDA plugin is installed and would act on the same processes",
            "remove it (or the criu-cuda package), or stop using cudahook on this node"),
