@@ -26,6 +26,9 @@ FACTS: dict[str, tuple[str, str, bool]] = {
     # The driver's version text, and its branch (the major number).
     "driver version regex": ("core/backends/base.py",
                              r"\\d(\{3,\}|\+)\\\.\\d\+|version[^\n]*\.split\(\"\.\"", False),
+    # The oldest CRIU cudahook works with, and what to do about an older one.
+    "CRIU minimum version": ("platform/criu.py",
+                             r"\(4, 0\)|install CRIU >= 4|CRIU is older than 4", True),
     "CRIU plugin directories": ("platform/criu.py", r"\"/usr/lib/criu\"", True),
     # How a CRIU configuration line names an action script.
     "action-script tokenizer": ("platform/criu.py", r"\[0\] == \"action-script\"", True),
