@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import stat
 from dataclasses import asdict, dataclass
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from cudahook.admin import registrations
-from cudahook.flow.checks import MIN_CRIU
 from cudahook.flow.context import Context
 from cudahook.platform import criu as criu_node
 from cudahook.platform import paths
@@ -50,11 +48,6 @@ def _gpu_memory(ctx: Context) -> Check:
     return Check("gpu memory", "ok", f"host ({why})")
 
 
-def _version(text: str) -> tuple[int, ...]:
-    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
-    return tuple(int(x) for x in m.groups() if x is not None) if m else ()
-
-
 def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
     checks: list[Check] = []
     host = ctx.host
@@ -72,23 +65,22 @@ def run_checks(ctx: Context, root: str | None = None) -> list[Check]:
     criu = shutil.which("criu")
     if not criu:
         checks.append(Check("criu", "fail", "criu not found on PATH",
-                            "install CRIU >= 4.0, e.g. ./install.sh --with-criu"))
+                            criu_node.INSTALL_HINT))
     else:
-        r = host.run([criu, "--version"], 10)
-        version = _version(r.stdout)
-        if version < MIN_CRIU:
-            checks.append(Check("criu", "fail", f"CRIU {'.'.join(map(str, version)) or '?'}",
-                                "CRIU >= 4.0 is needed: ./install.sh --with-criu"))
+        version = criu_node.parse_version(host.run([criu, "--version"], 10).stdout)
+        if problem := criu_node.version_problem(version, criu):
+            checks.append(Check("criu", "fail", problem[1],
+                                criu_node.INSTALL_HINT))
         else:
-            checks.append(Check("criu", "ok", f"CRIU {'.'.join(map(str, version))} at {criu}"))
+            checks.append(Check("criu", "ok", f"CRIU {criu_node.version_text(version)} at {criu}"))
         r = host.run([criu, "check"], 60)
         good = r.ok and "Looks good" in (r.stdout + r.stderr)
         checks.append(Check("criu check", "ok" if good else "fail",
                             "Looks good" if good else (r.stderr.strip().splitlines() or ["failed"])[-1],
                             "" if good else "run `criu check` and fix what it reports"))
-        if (3, 19) <= version < (4, 2):
+        if criu_node.TWICE[0] <= version < criu_node.TWICE[1]:
             checks.append(Check("criu action scripts", "warn",
-                                f"CRIU {'.'.join(map(str, version))} runs every action script "
+                                f"CRIU {criu_node.version_text(version)} runs every action script "
                                 "twice (CRIU issue #2727)",
                                 "nothing to do: cudahook runs each action once per CRIU run"))
     plugins = criu_node.cuda_plugins(root=root)

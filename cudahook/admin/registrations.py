@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cudahook.platform import criuconf, paths
+from cudahook.platform.criu import action_script
 
 CRIU_COMMENT = criuconf.COMMENT
 ACTION_NAME = criuconf.ACTION_NAME
@@ -93,14 +94,11 @@ def strip(kind: str, data: bytes, drop: Callable[[str], bool],
         lines = data.decode(errors="surrogateescape").splitlines(keepends=True)
         keep: list[str] = []
         for line in lines:
-            if line.startswith(criuconf.GPU_ONLY):  # gpu-only's comment names the script
-                named = line[len(criuconf.GPU_ONLY):].split(" (", 1)[0].strip()
-                if criuconf.names_action(named) and drop(named):
-                    continue
-            words = line.split(None, 1)
-            if (len(words) == 2 and words[0] == "action-script"
-                    and criuconf.names_action(words[1].strip().strip('"'))
-                    and drop(words[1].strip().strip('"'))):
+            named = criuconf.gpu_only_script(line)  # gpu-only's comment names the script
+            if named is not None and criuconf.names_action(named) and drop(named):
+                continue
+            script = action_script(line)
+            if script is not None and criuconf.names_action(script) and drop(script):
                 if keep and keep[-1].rstrip("\n") == CRIU_COMMENT:
                     keep.pop()
                 continue

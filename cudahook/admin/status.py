@@ -96,8 +96,7 @@ def _unprobeable(ctx: Context, init_pid: int) -> str | None:
             return "container paused: processes not probed"
         pids, _ = container_pids(ctx.host, init_pid)
         for pid in pids:
-            status = ctx.host.status(pid)
-            if status.get("State", "")[:1] in ("t", "T") or status.get("TracerPid", "0") != "0":
+            if ctx.host.stopped(pid):
                 return (f"process {pid} is stopped or traced (a dump in progress?): "
                         "processes not probed")
     except Exception as exc:  # anything unreadable: do not probe blind

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from cudahook.platform.config import Settings
 from cudahook.platform.errors import EnvironmentProblem
 from cudahook.platform.host import Host
@@ -58,8 +60,6 @@ def query_gpus(host: Host, settings: Settings) -> list[Gpu]:
 def mig_uuids(host: Host, settings: Settings) -> list[str]:
     """MIG instances this node has (`nvidia-smi -L`): --query-gpu lists whole
     GPUs only, so a container on a MIG instance is checked against these."""
-    import re
-
     result = host.run([settings.tool("nvidia_smi"), "-L"], 30)
     if not result.ok:
         return []

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from cudahook.core import manifest
+from cudahook.platform import criu as criu_node
 from cudahook.platform import reasons
 from cudahook.platform.errors import CudahookError, Exit
 from cudahook.platform.record import Record
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
     from cudahook.core.discovery import CudaProcess, Discovery
     from cudahook.core.manifest import Manifest
 
-# Below this CRIU version the checkpoint is refused (as `cudahook doctor` says).
-MIN_CRIU = (4, 0)
 # A remembered "never on this node" restore verdict is trusted this long; MIG
 # can be reconfigured without a reboot, and /run is emptied by one anyway.
 VERDICT_CACHE_TTL_S = 3600.0
@@ -242,21 +241,16 @@ def _driver(ctx: Context, v: Verdict) -> Any:
 
 
 def _criu(ctx: Context, v: Verdict) -> None:
-    import re
-
     v.checked.append("criu")
     criu = ctx.settings.tool("criu")
     if not os.access(criu, os.X_OK):
         v.add("CRIU_MISSING", f"{criu} not found")
         return
-    r = ctx.host.run([criu, "--version"], 10)
-    m = re.search(r"(\d+)\.(\d+)", r.stdout)
-    version = (int(m.group(1)), int(m.group(2))) if m else ()
-    v.facts["criu_version"] = ".".join(map(str, version)) or None
-    if not version:
-        v.add("CRIU_MISSING", f"{criu} --version said nothing recognisable")
-    elif version < MIN_CRIU:
-        v.add("CRIU_TOO_OLD", f"CRIU {v.facts['criu_version']} at {criu}")
+    version = criu_node.parse_version(ctx.host.run([criu, "--version"], 10).stdout)
+    # The verdict names the release (major.minor), as it always has.
+    v.facts["criu_version"] = ".".join(map(str, version[:2])) or None
+    if problem := criu_node.version_problem(version, criu):
+        v.add(*problem)
 
 
 def _criu_plugin(v: Verdict) -> None:
@@ -265,10 +259,8 @@ def _criu_plugin(v: Verdict) -> None:
     the dump with it; its restore has no device map, no rollback, no VMM
     step, and runs before post-resume. Two owners of one process's CUDA
     state is never safe."""
-    from cudahook.platform import criu
-
     v.checked.append("criu cuda plugin")
-    plugins = criu.cuda_plugins()
+    plugins = criu_node.cuda_plugins()
     if plugins:
         verb = "restore" if v.side == "restore" else "checkpoint"
         v.add("CRIU_CUDA_PLUGIN", f"CRIU's own CUDA plugin is installed ({', '.join(plugins)}) "
@@ -313,9 +305,7 @@ def _stopped(ctx: Context, v: Verdict, pids: list[int], *, traced: bool) -> bool
     bad = []
     for pid in pids:
         with contextlib.suppress(Exception):
-            status = ctx.host.status(pid)
-            if status.get("State", "")[:1] in ("t", "T") or (
-                    traced and status.get("TracerPid", "0") != "0"):
+            if ctx.host.stopped(pid, traced=traced):
                 bad.append(pid)
     if bad:
         v.add("PROCESS_STOPPED", "pid(s) " + ", ".join(map(str, bad)) + " stopped or traced")
@@ -537,7 +527,7 @@ def _host_memory(ctx: Context, v: Verdict, procs: list[CudaProcess],
         return
     by_cgroup: dict[str, tuple[int, int]] = {}
     for p in procs:
-        room = cgroup_room(ctx.host, p.pid)
+        room = ctx.host.memory_room(p.pid)
         if room is not None:
             where, left = room
             by_cgroup[where] = (left, by_cgroup.get(where, (left, 0))[1] + gpu.get(p.pid, 0))
@@ -578,40 +568,6 @@ def mem_available(proc: Path) -> int | None:
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
-
-
-# cgroup v1 reports "no limit" as a huge page-rounded number.
-_NO_LIMIT = 1 << 60
-
-
-def cgroup_room(host: Any, pid: int) -> tuple[str, int] | None:
-    """(cgroup, bytes left under its memory limit) of the process's memory
-    cgroup, v2 or v1; None without a limit."""
-    try:
-        entries = host.cgroup_paths(pid)
-    except Exception:
-        return None
-    for controllers, path in entries:
-        if path in ("", "/"):
-            continue
-        if controllers == "":
-            files = [(b / path.lstrip("/"), "memory.max", "memory.current")
-                     for b in (host.cgroup_root, host.cgroup_root / "unified")]
-        elif "memory" in controllers.split(","):
-            files = [(host.cgroup_root / "memory" / path.lstrip("/"), "memory.limit_in_bytes",
-                      "memory.usage_in_bytes")]
-        else:
-            continue
-        for d, limit_name, usage_name in files:
-            try:
-                limit_text = (d / limit_name).read_text().strip()
-                usage = int((d / usage_name).read_text().strip())
-            except (OSError, ValueError):
-                continue
-            if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= _NO_LIMIT:
-                continue
-            return path, max(0, int(limit_text) - usage)
     return None
 
 
@@ -690,8 +646,7 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
                   f"the image needs it: not executable: {ctx.settings.tool('vmm_coordinator')}")
     if not v.problems:
         _restore_persistence(ctx, v, v.facts.get("device_map"), m)
-    if key and v.problems and all(p.reason.never_here for p in v.problems) and not any(
-            p.code.startswith(("IMAGE_", "MANIFEST_")) for p in v.problems):
+    if key and v.problems and all(p.reason.cacheable for p in v.problems):
         _cache_put(ctx, key, v)
     return v
 

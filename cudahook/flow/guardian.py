@@ -121,7 +121,7 @@ def _end_calls(ctx: Any, args: dict[str, Any], cid: str | None) -> list[int]:
         return []
     own_calls(f"{name}.guardian")
     stuck = end_calls(name, ctx.settings.call_timeout_s)
-    from cudahook.core.agent import end_calls as end_agent_calls  # calls the node agent serves
+    from cudahook.core.agent_client import end_calls as end_agent_calls  # calls the node agent serves
 
     stuck += end_agent_calls(ctx.settings, name, ctx.settings.call_timeout_s)
     if stuck:

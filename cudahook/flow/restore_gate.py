@@ -9,6 +9,7 @@ the orchestrator should start the workload cold or restore it elsewhere.
 
 from __future__ import annotations
 
+from cudahook.core.backends import driver_major
 from cudahook.platform.errors import DeviceMapError, EnvironmentProblem, NotRestorableHere
 
 from . import annotations as ann
@@ -26,13 +27,13 @@ if TYPE_CHECKING:
 def _same_driver_branch(feats: Any, m: Manifest) -> None:
     """Refuses unless this node runs the checkpoint's driver branch with a
     cuda-checkpoint that can restore at all."""
-    have, had = feats.major, (m.driver_version or "").split(".")[0]
-    if not had.isdigit():
+    have, had = feats.major, driver_major(m.driver_version or "")
+    if had is None:
         # Without it the branch check would pass by default: refuse instead.
         raise EnvironmentProblem(
             "the checkpoint does not record the driver version it was taken with: "
             "cannot check that this node runs the same driver branch", reason="MANIFEST_NO_DRIVER")
-    if int(had) != have:
+    if had != have:
         raise NotRestorableHere(
             f"checkpoint was taken with driver {m.driver_version}, this node runs "
             f"{feats.version}: restore needs the same driver branch", reason="DRIVER_BRANCH")

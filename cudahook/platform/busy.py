@@ -19,8 +19,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from .ids import check_key
+from .locks import LockTimeout, lock_file, names_file
 from .privdir import ensure_private_dir
-from .store import LockTimeout, check_key, lock_file, names_file
 
 
 class Busy(Exception):

@@ -1,5 +1,6 @@
-"""The cgroup tree: a container's processes from its own cgroup, and the
-freezer that containerd and docker use to pause a container.
+"""The cgroup tree: a container's processes from its own cgroup, the
+freezer that containerd and docker use to pause a container, and the room
+left under a process's memory limit.
 """
 
 from __future__ import annotations
@@ -8,6 +9,9 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+# cgroup v1 reports "no limit" as a huge page-rounded number.
+_NO_LIMIT = 1 << 60
 
 
 class CgroupReader:
@@ -95,6 +99,37 @@ class CgroupReader:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cgroup {f.parent} did not {'freeze' if frozen else 'thaw'}")
             time.sleep(0.01)
+
+    # -- the memory limit ------------------------------------------------------
+
+    def memory_room(self, pid: int) -> tuple[str, int] | None:
+        """(cgroup, bytes left under its memory limit) of the process's memory
+        cgroup, v2 or v1; None without a limit, or when unreadable."""
+        try:
+            entries = self.cgroup_paths(pid)
+        except Exception:
+            return None
+        for controllers, path in entries:
+            if path in ("", "/"):
+                continue
+            if controllers == "":
+                files = [(b / path.lstrip("/"), "memory.max", "memory.current")
+                         for b in (self.cgroup_root, self.cgroup_root / "unified")]
+            elif "memory" in controllers.split(","):
+                files = [(self.cgroup_root / "memory" / path.lstrip("/"),
+                          "memory.limit_in_bytes", "memory.usage_in_bytes")]
+            else:
+                continue
+            for d, limit_name, usage_name in files:
+                try:
+                    limit_text = (d / limit_name).read_text().strip()
+                    usage = int((d / usage_name).read_text().strip())
+                except (OSError, ValueError):
+                    continue
+                if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= _NO_LIMIT:
+                    continue
+                return path, max(0, int(limit_text) - usage)
+        return None
 
     def _cgroup_mounts(self, controllers: str) -> list[Path]:
         root = self.cgroup_root

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 from . import paths
+from .atomic import write_json_atomic
+from .privdir import ensure_private_dir
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -66,9 +68,6 @@ def remember(path: Path, key: list[int] | None, settings: dict[str, Any]) -> Non
             data = {}
         data[str(path.resolve())] = {"key": key, "settings": settings, "at": time.time()}
         newest = sorted(data.items(), key=lambda kv: _age_key(kv[1]))[-CACHE_ENTRIES:]
-        from .atomic import write_json_atomic
-        from .privdir import ensure_private_dir
-
         ensure_private_dir(cache.parent)
         write_json_atomic(cache, dict(newest))
     except (OSError, ValueError):

@@ -34,7 +34,12 @@ import time
 from pathlib import Path
 
 from . import paths
+from .atomic import write_atomic
+from .criu import action_script
 from .errors import UsageError
+from .ids import check_key
+from .privdir import ensure_private_dir
+from .safeio import read_bytes
 
 ACTION_NAME = "cudahook-criu-action"
 # runc's annotation naming a container's CRIU configuration file ("" = none;
@@ -150,12 +155,7 @@ def without_code(text: str, installed: str) -> tuple[str, list[str]]:
 
 def action_scripts(text: str) -> list[str]:
     """Every action script a CRIU configuration names (CRIU runs each one)."""
-    out = []
-    for line in text.splitlines():
-        words = line.split(None, 1)
-        if len(words) == 2 and words[0] == "action-script":
-            out.append(words[1].strip().strip('"'))
-    return out
+    return [s for line in text.splitlines() if (s := action_script(line)) is not None]
 
 
 def registration(text: str) -> tuple[str | None, str | None]:
@@ -166,9 +166,16 @@ def registration(text: str) -> tuple[str | None, str | None]:
     if ours:
         return "global", ours[0]
     for line in text.splitlines():
-        if line.startswith(GPU_ONLY):
-            return "gpu-only", line[len(GPU_ONLY):].split(" (", 1)[0].strip()
+        if (script := gpu_only_script(line)) is not None:
+            return "gpu-only", script
     return None, None
+
+
+def gpu_only_script(line: str) -> str | None:
+    """The script gpu-only's comment line (gpu_only_line) names, or None."""
+    if line.startswith(GPU_ONLY):
+        return line[len(GPU_ONLY):].split(" (", 1)[0].strip()
+    return None
 
 
 def gpu_only_line(script: str) -> str:
@@ -179,9 +186,8 @@ def without_ours(text: str) -> str:
     """`text` without cudahook's lines: its action scripts and its comments."""
     keep = []
     for line in text.splitlines(keepends=True):
-        words = line.split(None, 1)
-        if len(words) == 2 and words[0] == "action-script" and names_action(
-                words[1].strip().strip('"')):
+        script = action_script(line)
+        if script is not None and names_action(script):
             continue
         if line.startswith("# cudahook: "):
             continue
@@ -201,8 +207,6 @@ def read_base(path: str) -> str:
     ignores a file that does not exist), read as an outside file: FileRefused
     for a symlink, a FIFO or device, a file past MAX_CONF, or no answer
     within safeio's deadline; OSError if it cannot be read."""
-    from .safeio import read_bytes
-
     if not path:
         return ""
     try:
@@ -218,8 +222,6 @@ def conf_dir(state_dir: str | os.PathLike[str]) -> Path:
 
 def conf_path(state_dir: str | os.PathLike[str], key: str) -> Path:
     """The copy's path; UsageError for a key the state directory never names."""
-    from .store import check_key
-
     return conf_dir(state_dir) / f"{check_key(key)}.conf"
 
 
@@ -230,9 +232,6 @@ def is_copy(path: str, state_dir: str | os.PathLike[str]) -> bool:
 def write(state_dir: str | os.PathLike[str], key: str, text: str) -> Path:
     """Write a container's copy (0600 in a root-only directory). Past
     MAX_FILES copies, stale ones go first; if none is, raises OSError."""
-    from .atomic import write_atomic
-    from .privdir import ensure_private_dir
-
     path = conf_path(state_dir, key)
     ensure_private_dir(Path(state_dir))
     ensure_private_dir(path.parent)

@@ -6,7 +6,11 @@ every failure must reduce to one documented code and one line of text.
 
 from __future__ import annotations
 
+import sys
 from enum import IntEnum
+
+from .eventlog import log
+from .text import escape_lines, one_line  # noqa: F401 - imported from here by others
 
 
 class Exit(IntEnum):
@@ -106,31 +110,6 @@ class PhaseError(CudahookError):
         super().__init__(f"{phase} failed: " + "; ".join(errors))
 
 
-def one_line(text: object, limit: int = 2000) -> str:
-    """`text` safe to print as one line: THE one helper through which every
-    string from outside (a container id, a GPU model, an archive member, a
-    manifest field, an error message quoting one) reaches stdout or stderr.
-
-    Every control or non-printable character is escaped (a newline must not
-    become a second line, ESC must not drive the terminal: no title change,
-    no screen clear; a lone surrogate becomes `\\ud800`, not an encoding
-    error), and the result is cut at `limit` characters. Work is bounded by
-    `limit` too: a 2 MiB string is cut before it is escaped."""
-    s = text if isinstance(text, str) else str(text)
-    cut = len(s) > limit
-    s = s[:limit]
-    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
-    return out[:limit] + "..." if cut or len(out) > limit else out
-
-
-def escape_lines(text: str, limit: int = 20000) -> str:
-    """A report of several lines, each made safe by `one_line` (the line
-    breaks are cudahook's own; everything inside a line is escaped). The
-    cap per line is generous: a report's lines are cudahook's, only the
-    values inside them come from outside."""
-    return "\n".join(one_line(line, limit) for line in text.split("\n"))
-
-
 def report(exc: BaseException, prog: str = "cudahook", log_file: str | None = None) -> int:
     """Print `exc` as one line on stderr; the documented exit code for it.
 
@@ -140,8 +119,6 @@ def report(exc: BaseException, prog: str = "cudahook", log_file: str | None = No
     belongs) is the environment (5); anything else is a bug: one line
     "internal error: ..." and exit 1, its traceback only in `log_file`.
     """
-    import sys
-
     if isinstance(exc, CudahookError):
         text, code = str(exc), int(exc.exit_code)
     elif isinstance(exc, RecursionError):
@@ -152,9 +129,7 @@ def report(exc: BaseException, prog: str = "cudahook", log_file: str | None = No
     else:
         text, code = f"internal error: {type(exc).__name__}: {exc}", int(Exit.FAILED)
         if log_file:
-            import traceback
-
-            from .eventlog import log
+            import traceback  # 2 ms at every start, for a bug's report only
 
             log(log_file, "internal-error", exception=one_line(f"{type(exc).__name__}: {exc}"),
                 traceback="".join(traceback.format_exception(exc))[-20000:])

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from .text import one_line
+
 MAX_BYTES = 32 << 20  # 32 MiB
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -29,8 +31,6 @@ def log(path: str, event: str, *, error: str | None = None, **fields: Any) -> No
     line = {"ts": round(time.time(), 3), "event": event, **fields}
     if error:
         line["error"] = error
-        from cudahook.platform.errors import one_line
-
         print(f"cudahook: {one_line(f'{event}: {error}')}", file=sys.stderr)
     if not path:
         return

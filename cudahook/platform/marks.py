@@ -12,9 +12,9 @@ import contextlib
 import os
 from pathlib import Path
 
-from . import paths, store
+from . import paths
+from .ids import ID_CUT, check_id
 from .privdir import ensure_private_dir
-from .store import check_id
 
 
 def marks_dir() -> Path:
@@ -50,7 +50,7 @@ def unmark_container(state_dir: str | os.PathLike[str], container_id: str) -> No
     # Records are named by the key, which starts with the id (store.container_key);
     # one written before keys by the id alone. A longer id cut to the same
     # start only keeps a mark that costs a Python start.
-    prefix = check_id(container_id)[:store.ID_CUT] + "@"
+    prefix = check_id(container_id)[:ID_CUT] + "@"
     if any(n.endswith(".json") and (n.startswith(prefix) or n == f"{container_id}.json")
            for n in names):
         mark("gpu", container_id)

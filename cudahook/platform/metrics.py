@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 
 from .atomic import write_atomic
+from .eventlog import log
+from .privdir import private_subdir
+from .store import TooLarge, lock_file, read_json, write_bounded
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -137,8 +140,6 @@ def update(settings: Settings, changes: Changes, *, now: float | None = None) ->
 
 
 def _update(settings: Settings, target: Path, changes: Changes, now: float) -> bool:
-    from .privdir import private_subdir
-    from .store import TooLarge, lock_file, read_json, write_bounded
 
     state_path = private_subdir(settings.state_dir, STATE_DIR) / STATE_FILE
     fd = lock_file(state_path.with_suffix(".lock"), timeout_s=LOCK_WAIT_S)
@@ -177,8 +178,6 @@ def _update(settings: Settings, target: Path, changes: Changes, now: float) -> b
         try:
             write_bounded(state_path, state, compact=True, durable=False)
         except TooLarge as exc:
-            from .eventlog import log
-
             log(settings.log_file, "metrics", container=changes.container,
                 dropped=len(changes.ops), reason=str(exc))
             return False
@@ -256,8 +255,6 @@ def render(series: list[list[Any]]) -> str:
 
 def read_state(settings: Settings) -> dict[str, Any]:
     """The series as `cudahook status --json` shows them."""
-    from .store import read_json
-
     try:
         return _valid(read_json(Path(settings.state_dir) / STATE_NAME))
     except Exception:

@@ -56,6 +56,15 @@ class ProcReader:
             fields[key] = value.strip()
         return fields
 
+    def stopped(self, pid: int, *, traced: bool = True) -> bool:
+        """Is the process stopped (SIGSTOP, or a tracer's stop: State T or
+        t) or, with `traced`, held by a tracer (TracerPid) while it runs?
+        cuda-checkpoint hangs on a stopped process, and CRIU cannot seize a
+        traced one."""
+        status = self.status(pid)
+        return status.get("State", "")[:1] in ("t", "T") or (
+            traced and status.get("TracerPid", "0") != "0")
+
     def nspid(self, pid: int) -> int:
         """The PID as the process's own (innermost) PID namespace sees it."""
         chain = self.status(pid).get("NSpid", "").split()

@@ -11,6 +11,7 @@ the runtime only see that); `cudahook check` reduces every problem to 1
 
 from __future__ import annotations
 
+from .criu import INSTALL_HINT, MIN_VERSION, version_text
 from .errors import Exit
 from .record import Record
 
@@ -21,6 +22,10 @@ class Reason(Record, frozen=True):
     exit: Exit  # what a hook refusing for this reason exits with
     text: str  # one line: what is wrong
     hint: str  # one line: what to do about it
+    # A refusal for this reason is remembered per image manifest and node
+    # (flow/checks: the restore verdict cache): it is never here (exit 6)
+    # and about the node, not the image's bytes, which a copy can mend.
+    cacheable: bool = False
 
     @property
     def never_here(self) -> bool:
@@ -82,10 +87,10 @@ _ALL = [
     # -- CRIU --------------------------------------------------------------------
     Reason("CRIU_MISSING", "checkpoint", Exit.ENVIRONMENT,
            "CRIU is not installed",
-           "install CRIU >= 4.0, e.g. ./install.sh --with-criu"),
+           INSTALL_HINT),
     Reason("CRIU_TOO_OLD", "checkpoint", Exit.ENVIRONMENT,
-           "CRIU is older than 4.0",
-           "install CRIU >= 4.0, e.g. ./install.sh --with-criu"),
+           f"CRIU is older than {version_text(MIN_VERSION)}",
+           INSTALL_HINT),
     Reason("CRIU_CUDA_PLUGIN", "both", Exit.ENVIRONMENT,
            "CRIU's own CUDA plugin is installed and would act on the same processes",
            "remove it (or the criu-cuda package), or stop using cudahook on this node"),
@@ -111,16 +116,16 @@ _ALL = [
            "copy the image again from its source, or start the workload cold"),
     Reason("DRIVER_BRANCH", "restore", Exit.NOT_HERE,
            "the checkpoint was taken with another driver branch",
-           "restore on a node with the same driver branch, or start the workload cold"),
+           "restore on a node with the same driver branch, or start the workload cold", cacheable=True),
     Reason("GPU_MISSING", "restore", Exit.NOT_HERE,
            "a GPU the restore needs is not on this node",
-           "restore on a node with those GPUs, or give a device map"),
+           "restore on a node with those GPUs, or give a device map", cacheable=True),
     Reason("GPU_MISMATCH", "restore", Exit.NOT_HERE,
            "this node's GPUs differ in count, model or memory from the checkpoint's",
-           "restore on a node with the same GPU model and at least as much memory"),
+           "restore on a node with the same GPU model and at least as much memory", cacheable=True),
     Reason("DEVICE_MAP_UNSUPPORTED", "restore", Exit.NOT_HERE,
            "the restore moves GPUs but this driver cannot remap (R580 or newer needed)",
-           "restore onto the same GPUs, or on a node with driver R580+"),
+           "restore onto the same GPUs, or on a node with driver R580+", cacheable=True),
     Reason("DEVICE_MAP_INVALID", "restore", Exit.ENVIRONMENT,
            "the device map given does not cover every GPU of the checkpoint",
            "name every GPU of the checkpoint in cudahook.io/device-map"),

@@ -22,99 +22,36 @@ a lock and a CRIU configuration.
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import json
 import os
-import re
-import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .atomic import write_json_atomic  # noqa: F401 - imported from here by others
+from . import busy, marks
+from .atomic import (
+    write_atomic,
+    write_json_atomic,  # noqa: F401 - imported from here by others
+)
 from .errors import StateError, UsageError
+from .host import Host
+from .ids import (  # noqa: F401 - imported from here by others
+    ID,
+    ID_CUT,
+    KEY,
+    check_id,
+    check_key,
+    container_key,
+    init_key,
+    init_of,
+)
+from .locks import LOCK_WAIT_S, LockTimeout, lock_file, names_file  # noqa: F401 - as ids
 from .privdir import ensure_private_dir
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
-
-
-# At most 250 characters: "<id>.json" must fit NAME_MAX (255); a longer id
-# used to end in an OSError traceback (ENAMETOOLONG) instead of a clear error.
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,249}$")
-
-
-def check_id(container_id: str) -> str:
-    # fullmatch: with match, "$" also accepts a trailing newline ("abc\n").
-    if not isinstance(container_id, str) or not _ID.fullmatch(container_id):
-        raise UsageError(f"invalid container id {container_id!r}")
-    return container_id
-
-
-# What names a container's state: "<id>@<16 hex digits>" (container_key);
-# "@<init pid>-<its start time>" for a container without a record (init_key);
-# a bare id, as written before keys, still read and swept.
-ID_CUT = 250 - 17
-_KEY = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.+-]{{0,{ID_CUT - 1}}}@[0-9a-f]{{16}}"
-                  r"|@[1-9][0-9]{0,9}-[0-9]{1,20}")
-
-
-def container_key(container_id: str, bundle: str) -> str:
-    """The one identity of a container on this node, which names its state.
-
-    The OCI hooks see the id and the bundle in the runtime's state; the
-    runtime wrapper sees the id and runc's --bundle; the CRIU action script
-    finds the record by its init's PID, and with it the key. The bundle
-    tells apart containers of one id under two runc roots, containerd
-    namespaces or podman storages. runc reports as the bundle its working
-    directory once there, which may be spelt through a symlink (or its
-    caller's $PWD): the real path is what counts. The key starts with the
-    id (cut to fit a file name; the digest covers all of it), for whoever
-    reads the state directory."""
-    cid = check_id(container_id)
-    if not isinstance(bundle, str) or not bundle or "\0" in bundle:
-        raise UsageError(f"container {cid}: invalid bundle {bundle!r}")
-    where = os.path.realpath(bundle)
-    digest = _sha256(f"{cid}\0{where}".encode(errors="surrogateescape")).hexdigest()
-    return f"{cid[:ID_CUT]}@{digest[:16]}"
-
-
-def _sha256(data: bytes) -> Any:
-    """SHA-256 from CPython's built-in module where there is one: importing
-    hashlib starts OpenSSL, about 3.5 ms at every GPU container's hook."""
-    try:
-        from _sha2 import sha256  # Python 3.12+
-    except ImportError:
-        try:
-            from _sha256 import sha256  # Python 3.11
-        except ImportError:
-            from hashlib import sha256
-    return sha256(data)
-
-
-def init_key(pid: int, start: int) -> str:
-    """What serialises the checkpoints of a container the OCI hook never
-    recorded (created before cudahook, or by a runtime without the hook):
-    its init process, which every CRIU run of it names."""
-    if type(pid) is not int or type(start) is not int or pid <= 0 or start < 0:
-        raise UsageError(f"invalid init process {pid!r} (start {start!r})")
-    return f"@{pid}-{start}"
-
-
-def check_key(key: str) -> str:
-    """A key (or a bare id of an older record); UsageError for anything else."""
-    if not isinstance(key, str) or not (_KEY.fullmatch(key) or _ID.fullmatch(key)):
-        raise UsageError(f"invalid container id {key!r}")
-    return key
-
-
-def init_of(key: str) -> tuple[int, int] | None:
-    """The (pid, start time) an init_key names; None for any other key."""
-    if not key.startswith("@"):
-        return None
-    pid, _, start = key[1:].partition("-")
-    return int(pid), int(start)
 
 
 # Records, progress and history files are a few kilobytes; a bigger one was
@@ -131,10 +68,6 @@ def write_bounded(path: Path, data: Any, *, compact: bool = False, durable: bool
     TooLarge, and the file stays as it was. A file past the cap would be
     read back as absent (read_json), so one oversized write would cost
     everything the file held, not just its own addition."""
-    import json
-
-    from .atomic import write_atomic
-
     text = (json.dumps(data, separators=(",", ":")) if compact
             else json.dumps(data, indent=1, sort_keys=True)).encode()
     if len(text) > MAX_FILE:
@@ -145,7 +78,9 @@ def write_bounded(path: Path, data: Any, *, compact: bool = False, durable: bool
 def read_json(path: Path) -> Any | None:
     """The file's JSON, or None when it is missing or not what cudahook wrote
     (a symlink, a directory, a FIFO, too large, not JSON, nested too deeply)."""
-    from cudahook.platform.safeio import FileRefused, load_json
+    # Here: 0.7-2.4 ms (safeio and threading) at `import cudahook.hooks.criu_action`,
+    # which bench P1 guards; a GPU run reads a record, and pays it, later.
+    from .safeio import FileRefused, load_json
 
     try:
         return load_json(path, MAX_FILE)
@@ -164,42 +99,17 @@ def process_alive(pid: Any, start: Any = None) -> bool:
     """A live (not zombie) process; with `start`, the same one as then."""
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    from .host import Host
-
     return Host().alive(pid, start if isinstance(start, int) else None)
 
 
 def _remove(path: Path) -> None:
-    import shutil
+    import shutil  # 2 ms at a hook start, for a gone CRIU run's directory only
 
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(OSError):
             path.unlink()
-
-
-# How long a hook waits for another one's lock on the same container.
-LOCK_WAIT_S = 10.0
-
-
-class LockTimeout(StateError):
-    """Another process held a lock file past the wait."""
-
-
-def _flock(fd: int, path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    delay = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise LockTimeout(f"{path}: held by another cudahook process for "
-                                 f"{timeout_s:g}s; giving up") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
 
 class Store:
@@ -275,10 +185,9 @@ class Store:
                 os.unlink(self.record_path(key))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            from .busy import remove
 
             with contextlib.suppress(OSError):
-                remove(self.root, key)  # held by a checkpoint: next prune
+                busy.remove(self.root, key)  # held by a checkpoint: next prune
         finally:
             os.close(fd)
         return True
@@ -373,8 +282,8 @@ class Store:
         live_ids: set[str] = set()
         for p in sorted(d.iterdir()) if d.is_dir() else ():
             key, dot, ext = p.name.rpartition(".")
-            if not dot or ext not in ("json", "lock") or not (_KEY.fullmatch(key)
-                                                              or _ID.fullmatch(key)):
+            if not dot or ext not in ("json", "lock") or not (KEY.fullmatch(key)
+                                                              or ID.fullmatch(key)):
                 continue
             if key in live or not os.path.lexists(p):  # gone with its record above
                 continue
@@ -397,10 +306,8 @@ class Store:
                 live.add(key)
                 live_ids.add(cid)
                 continue
-            from .marks import unmark_container
-
             with contextlib.suppress(OSError, UsageError):
-                unmark_container(self.root, cid)
+                marks.unmark_container(self.root, cid)
             removed += 1
         removed += self._prune_init_locks()
         h = self.root / "history"
@@ -423,19 +330,17 @@ class Store:
         held now is kept: busy.remove takes it first), and the markers of
         guardians of such containers that were killed before they could
         remove their own (a live one's is kept)."""
-        from .busy import remove
-
         gone = 0
         for sub, ext in (("busy", ".lock"), ("guardians", ".json")):
             d = self.root / sub
             for name in os.listdir(d) if d.is_dir() else ():
                 key = name[:-len(ext)] if name.endswith(ext) else ""
-                init = init_of(key) if _KEY.fullmatch(key) else None
+                init = init_of(key) if KEY.fullmatch(key) else None
                 if init is None or process_alive(*init):
                     continue
                 with contextlib.suppress(OSError):
                     if sub == "busy":
-                        gone += remove(self.root, key)
+                        gone += busy.remove(self.root, key)
                         continue
                     marker = read_json(d / name)
                     if not (isinstance(marker, dict)
@@ -450,52 +355,3 @@ def _older(path: Path, cutoff: float) -> bool:
         return path.stat().st_mtime < cutoff
     except OSError:
         return False
-
-
-def lock_file(path: Path, *, wait: bool = True, timeout_s: float = LOCK_WAIT_S) -> int | None:
-    """An fd holding the lock file `path`, exclusively; StateError after
-    `timeout_s` of waiting (LockTimeout). Without `wait`, None at once when
-    it is held.
-
-    The file must be a regular file reached without a symlink. It can be
-    unlinked by its holder (Store.delete): a waiter that then gets the lock
-    of an unlinked file holds nothing anyone else will ever ask for, so it
-    checks that `path` still names the file it locked and otherwise starts
-    over with the file now there."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise StateError(f"{path}: cannot open the lock ({exc.strerror}); "
-                             "refusing to use it") from exc
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise StateError(f"{path}: the lock is not a regular file; refusing to use it")
-            if wait:
-                _flock(fd, path, max(0.0, deadline - time.monotonic()))
-            else:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
-                    return None
-            same = names_file(path, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        if same:
-            return fd
-        os.close(fd)
-
-
-def names_file(path: Path, fd: int) -> bool:
-    """Does `path` (not followed) still name the file `fd` has open? A lock
-    file unlinked by its holder while another process waited on it does not."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)

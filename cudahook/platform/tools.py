@@ -34,6 +34,7 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from .record import Record
 
@@ -41,7 +42,6 @@ from .record import Record
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
-    from pathlib import Path
     from typing import Any
 
 # After the deadline kills a tool's process group, how long to wait for its
@@ -211,8 +211,6 @@ ENVIRON_CAP = 256 << 10
 
 def calls_of(name: str, proc: Path | None = None) -> list[tuple[int, int]]:
     """(pid, start time) of every live process that carries the calls' name."""
-    from pathlib import Path
-
     root = proc or Path("/proc")
     want = f"{CALLS_ENV}={name}".encode()
     found = []
@@ -239,8 +237,7 @@ def end_calls(name: str, wait_s: float, proc: Path | None = None) -> list[int]:
     """SIGKILL every process carrying the calls' name (each one's whole group
     when it leads one) and wait until none is left; the PIDs still alive
     after wait_s (stuck in the driver: uninterruptible) - [] when all ended."""
-    import signal
-    from pathlib import Path
+    import signal  # as subprocess: not at module level
 
     root = proc or Path("/proc")
     deadline = time.monotonic() + wait_s

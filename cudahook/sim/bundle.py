@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from cudahook.platform import criu as criu_node
 
 __all__ = [
     "CRIU_LINK_DIR",
@@ -300,11 +301,10 @@ def criu_version(criu: Path | str) -> tuple[int, ...] | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    match = re.search(r"^Version:\s*(\d+(?:\.\d+)*)", out, re.MULTILINE)
-    return tuple(int(x) for x in match.group(1).split(".")) if match else None
+    return criu_node.parse_version(out) or None
 
 
-def find_criu(min_version: tuple[int, ...] = (4, 0)) -> Path | None:
+def find_criu(min_version: tuple[int, ...] = criu_node.MIN_VERSION) -> Path | None:
     """First ``criu`` at least ``min_version``: $CUDAHOOK_CRIU, then PATH, then
     the prefix install.sh --with-criu provides."""
     seen: set[str] = set()

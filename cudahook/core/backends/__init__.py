@@ -9,7 +9,21 @@ mixes them, and records why in the backend's `why`.
 
 from __future__ import annotations
 
-from cudahook.platform.record import Record
+from .base import (  # noqa: F401 - the package's names
+    CHECKPOINTED,
+    CHECKPOINTING,
+    FAILED,
+    LOCKED,
+    RESTORING,
+    RUNNING,
+    STABLE,
+    STATES,
+    UNKNOWN,
+    Features,
+    driver_major,
+    explain_state,
+    parse_nvrm,
+)
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -36,56 +50,6 @@ if TYPE_CHECKING:
         def unlock(self, pid: int) -> None: ...
 
         def toggle(self, pid: int) -> None: ...
-
-
-RUNNING = "running"
-LOCKED = "locked"
-CHECKPOINTED = "checkpointed"
-# A CUDA process in trouble (CU_PROCESS_STATE_FAILED) or one the driver cannot
-# place; CUDA 13.4+ also reports an operation in progress. None of these is
-# "not CUDA", and none is a state cudahook moves a process out of.
-FAILED = "failed"
-UNKNOWN = "unknown"
-CHECKPOINTING = "checkpointing"
-RESTORING = "restoring"
-STABLE = (RUNNING, LOCKED, CHECKPOINTED)
-STATES = (*STABLE, FAILED, UNKNOWN, CHECKPOINTING, RESTORING)
-
-
-def explain_state(state: str) -> str:
-    """A state as an operator should read it."""
-    return {
-        FAILED: "failed (the driver gave up on its CUDA state)",
-        UNKNOWN: "in an unknown CUDA state",
-        CHECKPOINTING: "still checkpointing",
-        RESTORING: "still restoring",
-    }.get(state, state)
-
-
-class Features(Record, frozen=True):
-    """What the installed driver's checkpoint support can do."""
-
-    version: str = ""  # e.g. "570.86.10"; empty when the tool does not say
-    toggle: bool = False  # R550+
-    actions: bool = False  # R555+: lock/checkpoint/restore/unlock separately
-    get_state: bool = False  # R555+
-    restore_tid: bool = False  # R555+
-    device_map: bool = False  # R580+
-    launch_job: bool = False  # R590+
-    # CUDA 13.4+ custom storage (cuCheckpointOperationComplete, driver API
-    # only), as the driver itself answers cuGetProcAddress; why not, if not.
-    custom_storage: bool = False
-    custom_storage_why: str = "not asked"
-
-    @property
-    def major(self) -> int:
-        head = self.version.split(".", 1)[0]
-        return int(head) if head.isdigit() else 0
-
-    def describe(self) -> str:
-        names = [n for n in ("toggle", "actions", "get_state", "restore_tid", "device_map",
-                             "launch_job", "custom_storage") if getattr(self, n)]
-        return f"{self.version or 'unknown version'}: {', '.join(names) or 'nothing'}"
 
 
 def probe(backend: Backend) -> Features:

@@ -16,11 +16,9 @@ from cudahook.platform.config import Settings
 from cudahook.platform.errors import EnvironmentProblem, ToolError
 from cudahook.platform.host import Host
 
-from . import STATES, Features
+from .base import RELEASE, STATES, Features, driver_major, parse_nvrm
 
 _VERSION = re.compile(r"Version\s+(\d+(?:\.\d+)*)")
-# /proc/driver/nvidia/version: "NVRM version: NVIDIA UNIX ... Kernel Module ...  580.65.06  ..."
-_NVRM = re.compile(r"^NVRM version:.*?\s(\d{3,}\.\d+(?:\.\d+)?)\s", re.MULTILINE)
 
 
 def parse_help(text: str) -> Features:
@@ -43,8 +41,7 @@ def features_for(version: str) -> Features:
     The tool is a stub: its parser and operations live in libcuda, so the
     driver branch decides (docs/drivers.md), whatever the binary.
     """
-    head = version.split(".", 1)[0]
-    major = int(head) if head.isdigit() else 0
+    major = driver_major(version) or 0
     return Features(
         version=version,
         toggle=major >= 550,
@@ -54,12 +51,6 @@ def features_for(version: str) -> Features:
         device_map=major >= 580,
         launch_job=major >= 590,
     )
-
-
-def parse_nvrm(text: str) -> str:
-    """The driver version in /proc/driver/nvidia/version's text, or ""."""
-    m = _NVRM.search(text)
-    return m.group(1) if m else ""
 
 
 def driver_version(host: Host, settings: Settings) -> str:
@@ -84,7 +75,7 @@ def driver_version(host: Host, settings: Settings) -> str:
     smi = settings.tool("nvidia_smi")
     result = host.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], 30)
     lines = [x.strip() for x in result.stdout.splitlines() if x.strip()]
-    if result.ok and lines and re.fullmatch(r"\d+\.\d+(?:\.\d+)?", lines[0]):
+    if result.ok and lines and RELEASE.fullmatch(lines[0]):
         return lines[0]
     if result.timed_out:
         why.append("nvidia-smi timed out")

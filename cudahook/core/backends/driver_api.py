@@ -32,7 +32,7 @@ from cudahook.platform.errors import EnvironmentProblem, ToolError
 from cudahook.platform.host import Host
 from cudahook.platform.tools import spawn
 
-from . import CHECKPOINTED, RUNNING, STATES, Features
+from .base import CHECKPOINTED, RUNNING, STATES, Features, driver_major
 from .cli import driver_version
 
 # typing costs milliseconds at every hook start: annotations only.
@@ -50,8 +50,7 @@ STORAGE_CHUNK = 16 << 20
 
 def features_for(version: str) -> Features:
     """What the driver API can do on this driver release (nothing before R570)."""
-    head = version.split(".", 1)[0]
-    major = int(head) if head.isdigit() else 0
+    major = driver_major(version) or 0
     api = major >= MIN_MAJOR
     return Features(version=version, toggle=api, actions=api, get_state=api, restore_tid=api,
                     device_map=major >= 580, launch_job=major >= 590)
@@ -277,7 +276,7 @@ class AgentLink(_Channel):
     what = "the driver agent"
 
     def __init__(self, sock: Any, timeout: float):
-        from cudahook.core.agent import CLIENT_GRACE_S
+        from cudahook.core.agent_client import CLIENT_GRACE_S
 
         self.grace = CLIENT_GRACE_S
         self.sock = sock
@@ -375,9 +374,10 @@ class DriverAPI:
 
     def _agent_link(self) -> AgentLink | None:
         """A session with the node agent when one answers in time, else None."""
-        from cudahook.core.agent import open_session, start_detached
+        from cudahook.core.agent_client import open_session, start_detached
 
-        link = open_session(self.settings, self.settings.agent_connect_ms / 1000, self.container)
+        link = open_session(self.settings, self.settings.agent_connect_ms / 1000, self.container,
+                            AgentLink)
         if link is not None:
             self.agent_sessions += 1
             self._helper = link
