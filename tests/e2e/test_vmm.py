@@ -208,7 +208,7 @@ def test_containers_sharing_a_control_dir_with_colliding_pids(make_env, tmp_path
         # first's, the case this test is about.
         # Each attempt has a tag of its own, so no status a killed attempt
         # wrote last can be read for the next one.
-        for attempt in range(8):
+        for attempt in range(25):
             tag = f"{base}{attempt}"
             bundle = env.box.bundle(name, [(tag, {"mib": 1, "vmm": True})],
                                     snapshot_control=shared, others=[])
