@@ -688,12 +688,32 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
         if not os.access(ctx.settings.tool("vmm_coordinator"), os.X_OK):
             v.add("VMM_COORDINATOR_MISSING",
                   f"the image needs it: not executable: {ctx.settings.tool('vmm_coordinator')}")
+    if m.gpu_storage is not None:
+        v.checked.append("custom storage")
+        _custom_storage(ctx, v)
     if not v.problems:
         _restore_persistence(ctx, v, v.facts.get("device_map"), m)
     if key and v.problems and all(p.reason.never_here for p in v.problems) and not any(
             p.code.startswith(("IMAGE_", "MANIFEST_")) for p in v.problems):
         _cache_put(ctx, key, v)
     return v
+
+
+def _custom_storage(ctx: Context, v: Verdict) -> None:
+    """An image with its GPU memory in storage restores only through custom
+    storage: a driver or backend without it is refused now, cleanly, not
+    found out at post-resume with the tasks running."""
+    from cudahook.core.backends import probe
+
+    try:
+        f = probe(ctx.backend)
+        have, why = f.custom_storage, f.custom_storage_why
+    except CudahookError as exc:
+        have, why = False, str(exc)
+    finally:
+        ctx.engine.end_phase()  # the probe's driver attach ends with the check
+    if not have:
+        v.add("GPU_STORAGE_UNAVAILABLE", f"the image holds its GPU memory in storage: {why}")
 
 
 def _restore_persistence(ctx: Context, v: Verdict, mapping: dict[str, str] | None,

@@ -105,7 +105,8 @@ def _watch(ctx: Context, criu_pid: int, found: Manifest | CudahookError, init_pi
 def _check(ctx: Context, image_dir: Path, found: Manifest | CudahookError, init_pid: int,
            criu_pid: int, run: CriuRun) -> tuple[dict[str, Any] | None, Context, Manifest, Any]:
     """The restore checks of `cudahook check --image` (flow/checks.py): the
-    image intact, CRIU's own CUDA plugin absent (it would restore these
+    image intact (GPU memory in storage: every chunk, and a driver with
+    custom storage to restore it), CRIU's own CUDA plugin absent (it would restore these
     processes without a device map), the same driver branch, the GPUs
     present, a device map this driver can apply, the VMM coordinator. A
     refusal here is clean; one that no retry here can change is
@@ -116,8 +117,6 @@ def _check(ctx: Context, image_dir: Path, found: Manifest | CudahookError, init_
     record, ctx, opts = container_for(ctx, init_pid)
     verdict = checks.restore_checks(ctx, image_dir, record, opts, found=found)
     m = found if isinstance(found, Manifest) else None
-    if verdict.ok and m is not None and m.gpu_storage is not None:
-        _storage_check(ctx, verdict)
     cid = (record or {}).get("id") or (m.container_id if m else None)
     kept = checks.write_verdict(ctx, image_dir, verdict)
     run["criu_restore_s"] = results.criu_elapsed(ctx, criu_pid)
@@ -132,24 +131,6 @@ def _check(ctx: Context, image_dir: Path, found: Manifest | CudahookError, init_
     mapping = verdict.facts.get("device_map")
     run["device_map"] = mapping
     return record, ctx, m, mapping
-
-
-def _storage_check(ctx: Context, verdict: Any) -> None:
-    """An image with its GPU memory in storage restores only through custom
-    storage: a driver or backend without it is refused now, cleanly, not
-    found out at post-resume with the tasks running."""
-    from cudahook.core.backends import probe
-
-    try:
-        f = probe(ctx.backend)
-        have, why = f.custom_storage, f.custom_storage_why
-    except CudahookError as exc:
-        have, why = False, str(exc)
-    finally:
-        ctx.engine.end_phase()  # the probe's driver attach ends here, not at post-resume
-    if not have:
-        verdict.add("GPU_STORAGE_UNAVAILABLE",
-                    f"the image holds its GPU memory in storage: {why}")
 
 
 def _keep(ctx: Context, image_dir: Path, m: Manifest, mapping: Any, run: CriuRun) -> None:
