@@ -289,3 +289,20 @@ def gone(pid: int) -> bool:
     except OSError:
         return True
     return stat[stat.rindex(")") + 2] == "Z"
+
+
+def test_a_dump_that_fails_after_pre_dump_is_mended_from_storage(make_node: Any,
+                                                                 tmp_path: Path) -> None:
+    """CRIU gone after a storage pre-dump (a failed dump): the guardian
+    brings every process back from the image's chunks."""
+    node = storage_node(make_node)
+    _, _, _, pids, dump = checkpointed(node, tmp_path)
+    dump.end()
+    deadline = time.monotonic() + 30
+    while not events(node, "guardian"):
+        assert time.monotonic() < deadline, events(node)
+        time.sleep(0.05)
+    g = events(node, "guardian")[0]
+    assert "error" not in g and sorted(g["pids"]) == pids, g
+    assert [state(node, p) for p in pids] == ["running"] * 2
+    healthy(node, restored=True)
