@@ -82,8 +82,12 @@ class Peak:
         # simulator that is a shared memfd, on a GPU it is device memory, so
         # a helper counts only its own anonymous and file pages.
         helpers = _helpers()
+        procs = _procs(self.cgroup) - helpers
+        memfds: dict[tuple[int, int], int] = {}  # each once, however many hold it
+        for p in procs:
+            memfds.update(_memfds(p))
         return sum(_rss(p, ("RssAnon", "RssFile")) for p in helpers) + sum(
-            _rss(p, ("VmRSS",)) + _memfds(p) for p in _procs(self.cgroup) - helpers)
+            _rss(p, ("VmRSS",)) for p in procs) + sum(memfds.values())
 
 
 def _procs(cgroup: Path | None) -> set[int]:
@@ -118,18 +122,20 @@ def _rss(pid: int, fields: tuple[str, ...]) -> int:
     return total
 
 
-def _memfds(pid: int) -> int:
-    total = 0
+def _memfds(pid: int) -> dict[tuple[int, int], int]:
+    """The memfds a process holds, by identity: their sizes."""
+    out = {}
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
                 if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
-                    total += os.stat(f"/proc/{pid}/fd/{fd}").st_size
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    out[(st.st_dev, st.st_ino)] = st.st_size
             except OSError:
                 continue
     except OSError:
         pass
-    return total
+    return out
 
 
 def _cgroup_of(pid: int) -> tuple[Path | None, Path | None]:
