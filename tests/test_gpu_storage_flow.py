@@ -64,9 +64,10 @@ def storage_node(make_node: Any) -> Node:
     return node
 
 
-def install(tmp: Path, node: Node, gpu_memory: str = "storage") -> Path:
+def install(tmp: Path, node: Node, gpu_memory: str = "storage", **over: Any) -> Path:
     config = tmp / "cudahook.yaml"
-    config.write_text(yaml.safe_dump(dict(node.settings(gpu_memory=gpu_memory).__dict__)))
+    config.write_text(yaml.safe_dump(dict(node.settings(gpu_memory=gpu_memory,
+                                                        **over).__dict__)))
     return hookfiles.install(tmp / "hooks", python=sys.executable,
                              config=str(config))["cudahook-criu-action"]
 
@@ -178,11 +179,14 @@ def test_host_stays_the_default_path(make_node: Any, tmp_path: Path) -> None:
     healthy(node)  # the dump's "CRIU" exited: the guardian brought them back
 
 
+@pytest.mark.parametrize("sequential", [False, True])
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_a_failed_chunk_at_checkpoint_leaves_the_workload_running_intact(
-        make_node: Any, tmp_path: Path, chunk: int) -> None:
+        make_node: Any, tmp_path: Path, chunk: int, sequential: bool) -> None:
+    """`sequential`: the first process is wholly in storage when the second
+    fails, and comes back from there."""
     node = storage_node(make_node)
-    script = install(tmp_path, node)
+    script = install(tmp_path, node, sequential=sequential)
     image = tmp_path / "img"
     image.mkdir()
     init, pids = workloads(node)
@@ -198,6 +202,11 @@ def test_a_failed_chunk_at_checkpoint_leaves_the_workload_running_intact(
         healthy(node)
         assert manifest.read(image) is None
         assert not (image / "cudahook-gpu").exists()  # what it wrote is gone
+        if sequential:  # the first was wholly in storage: restored from there
+            steps = events(node, "checkpoint")[-1]["timeline"]["steps"]
+            assert {(s["pid"], s["step"]) for s in steps if s.get("ok", True)} >= {
+                (pids[0], "checkpoint"), (pids[0], "rollback-restore"),
+                (pids[0], "rollback-unlock"), (pids[1], "rollback-unlock")}, steps
     finally:
         dump.end()
 
