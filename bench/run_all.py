@@ -1,4 +1,4 @@
-"""Run every benchmark (P1..P7) and print a summary table of ratios vs targets.
+"""Run every benchmark (P1..P8) and print a summary table of ratios vs targets.
 
     python bench/run_all.py [--quick] [--reps N] [--json FILE] [--only P1,P4]
     python -m bench ...
@@ -25,6 +25,7 @@ from bench import (
     p5_container_start,
     p6_driver_api,
     p7_link_limit,
+    p8_storage,
     p9_agent,
 )
 from bench.common import execute, meta, write_json
@@ -37,6 +38,7 @@ BENCHES = {
     "P5": p5_container_start,
     "P6": p6_driver_api,
     "P7": p7_link_limit,
+    "P8": p8_storage,
     "P9": p9_agent,
 }
 

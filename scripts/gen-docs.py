@@ -94,9 +94,11 @@ def configuration() -> str:
     return "\n".join(lines)
 
 
-def _seconds(value: float | None) -> str:
+def _seconds(value: float | None, variant: str = "") -> str:
     if value is None:
         return "-"
+    if "MiB" in variant:  # a size kept in the seconds fields (bench/common.py's shape)
+        return f"{value:.0f} MiB"
     if value >= 1:
         return f"{value:.2f} s"
     return f"{value * 1000:.3g} ms"
@@ -131,8 +133,8 @@ def performance() -> str:
         value = "-" if r["value"] is None else f"{r['value']:.3f}x"
         target = f"<= {r['target']}x" if r["target"] is not None else "-"
         verdict = "-" if r["pass"] is None else ("PASS" if r["pass"] else "**MISS**")
-        lines.append(f"| {key[0]} | {_cell(r['label'])} ({stat}s) | {_seconds(num)} / "
-                     f"{_seconds(den)} | {value} | {target} | {verdict} | "
+        lines.append(f"| {key[0]} | {_cell(r['label'])} ({stat}s) | {_seconds(num, r['num'])} / "
+                     f"{_seconds(den, r['den'])} | {value} | {target} | {verdict} | "
                      f"`{name}`, {when[:10]}, `{head}` |")
     return "\n".join(lines)
 

@@ -130,3 +130,12 @@ def test_the_backend_is_chosen_per_container() -> None:
         ann.parse(a(backend="fast"))
     # The hooks build the container's context from the applied settings.
     assert isinstance(Context(opts.apply(Settings())).backend, CudaCheckpointCLI)
+
+
+def test_the_gpu_memory_path_is_chosen_per_container() -> None:
+    opts = ann.parse(a(gpu_memory="storage"))
+    assert opts.gpu_memory == "storage"
+    assert opts.apply(Settings()).gpu_memory == "storage"
+    assert ann.parse(a(sequential="true")).apply(Settings(gpu_memory="auto")).gpu_memory == "auto"
+    with pytest.raises(UsageError, match="gpu-memory"):
+        ann.parse(a(gpu_memory="disk"))

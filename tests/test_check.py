@@ -461,3 +461,91 @@ def test_never_here_verdict_is_remembered_and_answered_without_asking_the_driver
     nodrv = image(tmp_path, node, "nodrv", driver_version="")
     for _ in range(2):
         assert expect(cfg, ["--image", str(nodrv)], "MANIFEST_NO_DRIVER")["cached"] is False
+
+
+def storage_image(d: Path, node: Node) -> Path:
+    """An image whose GPU memory is in storage: one process, one 4 KiB range
+    in one chunk (the smallest chunk size); the chunk's path."""
+    import hashlib
+
+    proc = d / manifest.STORAGE_DIR / "7"
+    proc.mkdir(parents=True)
+    chunk = bytes(range(256)) * 16
+    (proc / "gpu0-000000.chunk").write_bytes(chunk)
+    digest = hashlib.sha256(chunk).hexdigest()
+    raw = json.dumps({"format": 1, "digest": "sha256", "chunk": 4096,
+                      "ranges": [{"size": 4096, "chunks": [digest]}]}).encode()
+    (proc / manifest.STORAGE_MANIFEST).write_bytes(raw)
+    stored = manifest.GpuStorage(dir=manifest.STORAGE_DIR, processes=(manifest.StoredProcess(
+        nspid=7, chunk=4096, manifest_sha256=hashlib.sha256(raw).hexdigest(),
+        manifest_size=len(raw), ranges=(manifest.StorageRange(size=4096, chunks=(digest,)),)),))
+    manifest.write(d, {"container_id": "c", "driver_version": node.lab.config["driver_version"],
+                       "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}],
+                       "gpu_storage": stored})
+    return proc / "gpu0-000000.chunk"
+
+
+def test_restore_side_gpu_memory_in_storage(node: Node, tmp_path: Path) -> None:
+    d = tmp_path / "simg"
+    d.mkdir()
+    chunk = storage_image(d, node)
+    m = manifest.read(d)
+    assert m is not None and m.version == manifest.STORAGE_VERSION
+    # This node's driver (R580: CUDA 13.0) has no custom storage.
+    v = expect(config(node, backend="driver-api"), ["--image", str(d)],
+               "GPU_STORAGE_UNAVAILABLE", rc=1)
+    assert "custom storage needs 13.4" in v["problems"][0]["detail"]
+    node.lab.set(cuda_version=13040)
+    cfg = config(node, backend="driver-api")
+    ok(cfg, "--image", str(d))
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x04  # one flipped bit in one chunk
+    chunk.write_bytes(bytes(data))
+    v = expect(cfg, ["--image", str(d)], "IMAGE_CHECKSUM", rc=6)
+    assert "cudahook-gpu/7/gpu0-000000.chunk" in v["problems"][0]["detail"]
+    chunk.unlink()
+    chunk.symlink_to(tmp_path / "elsewhere")  # a link is never followed
+    expect(cfg, ["--image", str(d)], "IMAGE_FILE_MISSING", rc=6)
+
+
+def test_quick_image_check_samples_the_chunks(node: Node, tmp_path: Path) -> None:
+    """--quick reads each process's first and last chunk and a sample of the
+    rest; without it, every chunk."""
+    import hashlib
+
+    d = tmp_path / "qimg"
+    d.mkdir()
+    proc = d / manifest.STORAGE_DIR / "7"
+    proc.mkdir(parents=True)
+    digests = []
+    for k in range(40):
+        data = bytes([k]) * 4096
+        (proc / f"gpu0-{k:06d}.chunk").write_bytes(data)
+        digests.append(hashlib.sha256(data).hexdigest())
+    raw = json.dumps({"format": 1, "digest": "sha256", "chunk": 4096,
+                      "ranges": [{"size": 40 * 4096, "chunks": digests}]}).encode()
+    (proc / manifest.STORAGE_MANIFEST).write_bytes(raw)
+    stored = manifest.GpuStorage(dir=manifest.STORAGE_DIR, processes=(manifest.StoredProcess(
+        nspid=7, chunk=4096, manifest_sha256=hashlib.sha256(raw).hexdigest(),
+        manifest_size=len(raw), ranges=(manifest.StorageRange(size=40 * 4096,
+                                                              chunks=tuple(digests)),)),))
+    manifest.write(d, {"container_id": "c", "driver_version": node.lab.config["driver_version"],
+                       "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}],
+                       "gpu_storage": stored})
+    m = manifest.read(d)
+    assert m is not None
+    quick = manifest.storage_files(m, quick=True)
+    names = [n.rsplit("/", 1)[1] for n, _, _ in quick]
+    assert len(quick) == 1 + 6 and names[0] == manifest.STORAGE_MANIFEST
+    assert {"gpu0-000000.chunk", "gpu0-000039.chunk"} <= set(names)
+    assert len(manifest.storage_files(m)) == 41
+    node.lab.set(cuda_version=13040)
+    cfg = config(node, backend="driver-api")
+    (proc / "gpu0-000000.chunk").write_bytes(b"\xff" * 4096)  # always in the sample
+    expect(cfg, ["--image", str(d), "--quick"], "IMAGE_CHECKSUM", rc=6)
+    (proc / "gpu0-000000.chunk").write_bytes(bytes([0]) * 4096)
+    ok(cfg, "--image", str(d), "--quick")
+    unsampled = next(f"gpu0-{k:06d}.chunk" for k in range(1, 39)
+                     if f"gpu0-{k:06d}.chunk" not in names)
+    (proc / unsampled).write_bytes(b"\xff" * 4096)
+    expect(cfg, ["--image", str(d)], "IMAGE_CHECKSUM", rc=6)  # the full check finds it

@@ -346,3 +346,50 @@ def test_the_manifest_post_restore_keeps_reaches_post_resume_typed(tmp_path: Pat
     run.progress["manifest"] = damaged
     run.finish("post-restore", 0)
     assert CriuRun(store, Host(), os.getpid()).get("manifest") == damaged
+
+
+def stored(nspids: tuple[int, ...] = (7, 9), size: int = 10000,
+           chunks: int = 3) -> manifest.GpuStorage:
+    return manifest.GpuStorage(dir=manifest.STORAGE_DIR, processes=tuple(
+        manifest.StoredProcess(nspid=n, chunk=4096, manifest_sha256="a" * 64, manifest_size=99,
+                               ranges=(manifest.StorageRange(size=size,
+                                                             chunks=("b" * 64,) * chunks),))
+        for n in nspids))
+
+
+def test_gpu_memory_in_storage_is_version_2_and_round_trips(tmp_path: Path) -> None:
+    manifest.write(tmp_path, {**DATA, "gpu_storage": stored()})
+    raw = json.loads((tmp_path / manifest.NAME).read_text())
+    assert raw["version"] == manifest.STORAGE_VERSION == 2
+    assert raw["gpu_storage"]["processes"][0]["ranges"] == [{"size": 10000,
+                                                             "chunks": ["b" * 64] * 3}]
+    m = manifest.read(tmp_path)
+    assert m is not None and m.gpu_storage == stored() and m.gpu_storage.bytes == 20000
+    assert [f[:2] for f in m.gpu_storage.processes[0].files()] == [
+        ("gpu0-000000.chunk", 4096), ("gpu0-000001.chunk", 4096), ("gpu0-000002.chunk", 1808)]
+    assert manifest.parse(json.dumps(m.to_dict()).encode()) == m.replace(digest=digest_of(m))
+
+
+def digest_of(m: Manifest) -> str:
+    return hashlib.sha256(json.dumps(m.to_dict()).encode()).hexdigest()
+
+
+def test_version_1_images_still_read(tmp_path: Path) -> None:
+    write_raw(tmp_path, {**DATA, "version": 1})
+    m = manifest.read(tmp_path)
+    assert m is not None and m.version == 1 and m.gpu_storage is None
+
+
+@pytest.mark.parametrize("data, words", [
+    ({**DATA, "version": 1, "gpu_storage": stored().to_dict()}, "version 1"),
+    ({**DATA, "version": 2, "gpu_storage": stored(nspids=(7,)).to_dict()},
+     "are not the image's"),
+    ({**DATA, "version": 2, "gpu_storage": stored(chunks=2).to_dict()}, "2 chunks for 10000"),
+    ({**DATA, "version": 2, "gpu_storage": {**stored().to_dict(), "dir": "../etc"}},
+     "gpu_storage"),
+])
+def test_bad_gpu_storage_is_a_manifest_error(tmp_path: Path, data: Any, words: str) -> None:
+    write_raw(tmp_path, data)
+    with pytest.raises(ManifestError) as exc:
+        manifest.read(tmp_path)
+    assert words in str(exc.value) and "\n" not in str(exc.value)

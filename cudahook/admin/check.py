@@ -79,7 +79,8 @@ def _restore(ctx: Context, args: argparse.Namespace) -> checks.Verdict:
             ctx = Context(opts.apply(ctx.settings), ctx.host)
     elif args.visible_gpus:
         record = {"visible": [u.strip() for u in args.visible_gpus.split(",") if u.strip()]}
-    return checks.restore_checks(ctx, image, record, opts, use_cache=not args.fresh)
+    return checks.restore_checks(ctx, image, record, opts, use_cache=not args.fresh,
+                                 quick=bool(getattr(args, "quick", False)))
 
 
 def render(v: checks.Verdict) -> str:

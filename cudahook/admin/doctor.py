@@ -43,8 +43,9 @@ def _gpu_memory(ctx: Context) -> Check:
                      "/etc/cudahook/config.yaml, or use a CUDA 13.4+ driver with backend: "
                      "driver-api")
     if path == "storage":
-        return Check("gpu memory", "warn", f"storage ({why})", "the checkpoint flow does not "
-                     "copy to custom storage yet: containers still get host memory")
+        return Check("gpu memory", "warn", f"storage ({why})", "checkpoints write GPU memory "
+                     "into the CRIU image (cudahook-gpu/): keep the image of a failed dump "
+                     "until the workload runs again - the guardian restores from it")
     return Check("gpu memory", "ok", f"host ({why})")
 
 

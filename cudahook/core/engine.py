@@ -66,6 +66,8 @@ class PhaseResult(Record):
     errors: dict[int, str] = {}
     device_map: dict[str, str] | None = None
     rolled_back: bool = False
+    # Custom storage: what each process's checkpoint wrote (ranges, bytes).
+    stored: dict[int, Any] = {}
 
     @property
     def ok(self) -> bool:
@@ -125,6 +127,10 @@ class Engine:
         self.settings = settings
         self.host = host or Host()
         self._jobs: dict[int, str | None] = {}  # pid -> job identity, read once
+        # pid -> the directory its GPU memory was checkpointed into (custom
+        # storage): a rollback must bring it back from there, since a plain
+        # restore has nothing in the process's host memory to restore.
+        self.storage: dict[int, str] = {}
 
     def end_phase(self) -> None:
         close = getattr(self.backend, "close", None)
@@ -236,13 +242,18 @@ class Engine:
 
     @_phase
     def checkpoint(self, procs: Iterable[CudaProcess | int], *,
-                   fresh_states: bool = False) -> PhaseResult:
+                   fresh_states: bool = False,
+                   storage: dict[int, str] | None = None) -> PhaseResult:
         """Lock all, then checkpoint all; roll back on any failure.
 
         `fresh_states`: the processes' states were read just now (discovery
         probes with --get-state), so they are not read again - one
         cuda-checkpoint call per process saved. A state kept from earlier
         must not be passed as fresh: a checkpoint twice would then act on it.
+        `storage`: pid -> a new directory its GPU memory goes to (CUDA 13.4+
+        custom storage, driver API) instead of the process's host memory.
+        A storage checkpoint that fails puts the memory back (the helper)
+        and leaves the process locked: the rollback unlocks it.
         """
         procs = list(procs)
         pids = sorted({_pid(p) for p in procs})
@@ -280,8 +291,10 @@ class Engine:
             if failures:
                 return self._abort(res, failures, touched=to_lock)
             to_ckpt = [p for p in pids if res.initial[p] in (RUNNING, LOCKED)]
+            self.storage.update({p: d for p, d in (storage or {}).items() if p in to_ckpt})
             failures = self._each(
-                to_ckpt, lambda p: self._step(tl, p, "checkpoint", self.backend.checkpoint)
+                to_ckpt, lambda p: self._step(tl, p, "checkpoint",
+                                              lambda q: self._checkpoint_one(q, res))
             )
             res.changed = sorted(set(to_lock) | set(to_ckpt))
             if failures:
@@ -297,6 +310,22 @@ class Engine:
                                touched=pids)
         res.final = final
         return res
+
+    def _checkpoint_one(self, pid: int, res: PhaseResult) -> None:
+        where = self.storage.get(pid)
+        if where is None:
+            self.backend.checkpoint(pid)
+        else:
+            res.stored[pid] = self.backend.checkpoint_to_storage(pid, where)  # type: ignore[attr-defined]
+
+    def _restore_one(self, pid: int, *device_map: dict[str, str] | None) -> None:
+        """A plain restore, or from the storage its checkpoint went to (the
+        rollback's passes no device map; the restore phase's one, maybe None)."""
+        where = self.storage.get(pid)
+        if where is None:
+            self.backend.restore(pid, *device_map)
+        else:
+            self.backend.restore_from_storage(pid, where, *device_map)  # type: ignore[attr-defined]
 
     def _step(self, tl: Timeline, pid: int, name: str, call: Callable[[int], None]) -> None:
         with tl.step(pid, name):
@@ -348,7 +377,7 @@ class Engine:
                     self._step(tl, pid, "rollback-toggle", self.backend.toggle)
                     state = RUNNING
                 else:
-                    self._step(tl, pid, "rollback-restore", self.backend.restore)
+                    self._step(tl, pid, "rollback-restore", self._restore_one)
                     state = LOCKED
             if state == LOCKED:
                 self._step(tl, pid, "rollback-unlock", self.backend.unlock)
@@ -371,7 +400,7 @@ class Engine:
     def _whole_way_back(self, tl: Timeline, pid: int) -> None:
         """Restore, then unlock, a process whose state is unknown; a step it
         is not ready for fails in the driver (illegal state) and is skipped."""
-        for name, call in (("rollback-restore", self.backend.restore),
+        for name, call in (("rollback-restore", self._restore_one),
                            ("rollback-unlock", self.backend.unlock)):
             with contextlib.suppress(ToolError):
                 self._step(tl, pid, name, call)
@@ -385,7 +414,12 @@ class Engine:
         device_map: dict[str, str] | None = None,
         *,
         unlock: bool = True,
+        storage: dict[int, str] | None = None,
     ) -> PhaseResult:
+        """Restore all (with the device map), then unlock all and verify each
+        one `running`. `storage`: pid -> the directory its GPU memory is in
+        (custom storage); the others are restored from host memory."""
+        self.storage.update(storage or {})
         pids = sorted({_pid(p) for p in procs})
         tl = Timeline()
         res = PhaseResult("restore", pids, tl, device_map=device_map or None)
@@ -415,7 +449,7 @@ class Engine:
             failures = self._each(
                 todo,
                 lambda p: self._step(
-                    tl, p, "restore", lambda q: self.backend.restore(q, device_map or None)
+                    tl, p, "restore", lambda q: self._restore_one(q, device_map or None)
                 ),
             )
             self._fail_if(res, failures, "restore")

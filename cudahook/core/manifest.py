@@ -25,7 +25,17 @@ if TYPE_CHECKING:
 
 
 NAME = "cudahook-manifest.json"
+# Version 1 images keep GPU memory in the processes' host memory (CRIU dumps
+# it). Version 2 adds `gpu_storage`: GPU memory in chunk files in the image
+# (CUDA 13.4+ custom storage). Only such an image is written as 2, so an
+# older cudahook refuses the one image it could not restore, and this one
+# reads both.
 VERSION = 1
+STORAGE_VERSION = 2
+READS = (VERSION, STORAGE_VERSION)
+# Where in the image the chunks of each process go: <STORAGE_DIR>/<nspid>/.
+STORAGE_DIR = "cudahook-gpu"
+STORAGE_MANIFEST = "manifest.json"  # the driver helper's, per process
 # A manifest holds a few lines per CUDA process; anything near this is not ours.
 MAX_BYTES = 32 << 20
 
@@ -72,6 +82,54 @@ class FileSum(Record, frozen=True):
     size: int
 
 
+class StorageRange(Record, frozen=True):
+    """One GPU's memory of a process: its size and each chunk's sha256 (every
+    chunk `chunk` bytes, the last one the rest)."""
+
+    size: int
+    chunks: tuple[str, ...]
+
+
+class StoredProcess(Record, frozen=True):
+    """Where one process's GPU memory lies in the image, chunk by chunk."""
+
+    nspid: int
+    chunk: int
+    manifest_sha256: str  # of <dir>/<nspid>/manifest.json, as the helper wrote it
+    manifest_size: int
+    ranges: tuple[StorageRange, ...]
+
+    def files(self) -> list[tuple[str, int, str]]:
+        """(name in its directory, size, sha256) of each chunk file."""
+        out = []
+        for i, r in enumerate(self.ranges):
+            for k, digest in enumerate(r.chunks):
+                out.append((f"gpu{i}-{k:06d}.chunk", min(self.chunk, r.size - k * self.chunk),
+                            digest))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nspid": self.nspid, "chunk": self.chunk,
+                "manifest": {"sha256": self.manifest_sha256, "size": self.manifest_size},
+                "ranges": [{"size": r.size, "chunks": list(r.chunks)} for r in self.ranges]}
+
+
+class GpuStorage(Record, frozen=True):
+    """The image's GPU memory in storage (manifest version 2)."""
+
+    dir: str  # relative to the image directory
+    processes: tuple[StoredProcess, ...]
+    digest: str = "sha256"
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.size for p in self.processes for r in p.ranges)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dir": self.dir, "digest": self.digest,
+                "processes": [p.to_dict() for p in self.processes]}
+
+
 class Manifest(Record, frozen=True):
     """A parsed manifest (config/manifest.schema.json says each field's rule).
 
@@ -92,6 +150,9 @@ class Manifest(Record, frozen=True):
     # and admin/chart.py draws them (the same shape as a result's timeline).
     timeline: dict[str, Any] | None = None
     files: dict[str, FileSum] = {}  # by name in the image (none before 0.2)
+    # GPU memory in chunk files of the image (version 2), or None: in the
+    # processes' host memory, which CRIU dumps.
+    gpu_storage: GpuStorage | None = None
     extra: dict[str, Any] = {}
     version: int = VERSION
     # sha256 of the bytes it was parsed from (None: not read from a file).
@@ -118,6 +179,9 @@ class Manifest(Record, frozen=True):
             out["timeline"] = self.timeline
         if self.files:
             out["files"] = {n: f.as_dict() for n, f in self.files.items()}
+        if self.gpu_storage is not None:
+            out["version"] = STORAGE_VERSION
+            out["gpu_storage"] = self.gpu_storage.to_dict()
         return out
 
     @property
@@ -153,7 +217,10 @@ def write(image_dir: Path, data: Manifest | dict[str, Any],
     if isinstance(data, Manifest):
         out = (data.replace(files=sums) if sums else data).to_dict()
     else:
+        stored = data.get("gpu_storage")
         out = {"version": VERSION, **data}
+        if isinstance(stored, GpuStorage):
+            out.update(version=STORAGE_VERSION, gpu_storage=stored.to_dict())
         if sums:
             out["files"] = {n: f.as_dict() for n, f in sums.items()}
     path = image_dir / NAME
@@ -169,24 +236,83 @@ def digest(image_dir: Path) -> str:
     return safeio.sha256_file(image_dir / NAME, MAX_BYTES)[0]
 
 
-def verify_files(image_dir: Path, m: Manifest) -> list[tuple[str, str]]:
+# Hashing GPU memory in storage gets this much more time per byte (a slow
+# disk still reads 64 MiB/s), on top of HASH_TIMEOUT_S.
+STORAGE_HASH_BYTES_PER_S = 64 << 20
+# `quick`: besides each process's manifest, its first and last chunk and
+# this many more, picked at random, are verified.
+QUICK_SAMPLE = 4
+
+
+def storage_files(m: Manifest, quick: bool = False) -> list[tuple[str, int, str]]:
+    """(name in the image, size, sha256) of each GPU-memory file of the
+    image; `quick`: each process's manifest and a sample of its chunks."""
+    import random
+
+    out: list[tuple[str, int, str]] = []
+    if m.gpu_storage is None:
+        return out
+    for p in m.gpu_storage.processes:
+        base = f"{m.gpu_storage.dir}/{p.nspid}/"
+        out.append((base + STORAGE_MANIFEST, p.manifest_size, p.manifest_sha256))
+        chunks = p.files()
+        if quick and len(chunks) > QUICK_SAMPLE + 2:
+            middle = random.sample(range(1, len(chunks) - 1), QUICK_SAMPLE)
+            chunks = [chunks[i] for i in sorted({0, len(chunks) - 1, *middle})]
+        out.extend((base + name, size, digest) for name, size, digest in chunks)
+    return out
+
+
+def _storage_dirs(image_dir: Path, m: Manifest) -> list[tuple[str, str]]:
+    """Problems with the directories the chunks lie in: each must be a real
+    directory of the image, never a symlink to somewhere else."""
+    import stat
+
+    if m.gpu_storage is None:
+        return []
+    out = []
+    names = [m.gpu_storage.dir] + [f"{m.gpu_storage.dir}/{p.nspid}"
+                                   for p in m.gpu_storage.processes]
+    for name in names:
+        try:
+            st = (image_dir / name).lstat()
+        except FileNotFoundError:
+            out.append((name, "missing"))
+            continue
+        except OSError as exc:
+            out.append((name, f"unreadable ({exc.strerror})"))
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            out.append((name, "unreadable (not a directory)"))
+    return out
+
+
+def verify_files(image_dir: Path, m: Manifest, quick: bool = False) -> list[tuple[str, str]]:
     """(file, problem) for each file the manifest names that is missing,
-    not a regular file, or not the file that was checksummed. A manifest
-    written before checksums were recorded names none: nothing to verify."""
+    not a regular file, or not the file that was checksummed: cudahook's
+    own files, and every chunk of GPU memory in storage (`quick`: a sample
+    of them). A manifest written before checksums were recorded names
+    none: nothing to verify."""
     import time
 
     from cudahook.platform import safeio
 
-    out = []
-    # One budget for all of them: a manifest may name up to 64 files.
-    deadline = time.monotonic() + HASH_TIMEOUT_S
-    for name, want in sorted(m.files.items()):
+    out = _storage_dirs(image_dir, m)
+    if out:  # a chunk read through a swapped directory would prove nothing
+        return out
+    wanted = [(name, want.size, want.sha256) for name, want in sorted(m.files.items())]
+    stored = storage_files(m, quick)
+    # One budget for all of them: a manifest may name up to 64 files, and
+    # gigabytes of GPU memory.
+    budget = HASH_TIMEOUT_S + sum(size for _, size, _ in stored) / STORAGE_HASH_BYTES_PER_S
+    deadline = time.monotonic() + budget
+    for name, size, sha256 in wanted + stored:
         left = deadline - time.monotonic()
         if left <= 0:
-            out.append((name, f"not verified within {HASH_TIMEOUT_S:g}s"))
+            out.append((name, f"not verified within {budget:g}s"))
             continue
         try:
-            got, size = safeio.sha256_file(image_dir / name, MAX_FILE_BYTES, left)
+            got, got_size = safeio.sha256_file(image_dir / name, MAX_FILE_BYTES, left)
         except FileNotFoundError:
             out.append((name, "missing"))
             continue
@@ -194,7 +320,7 @@ def verify_files(image_dir: Path, m: Manifest) -> list[tuple[str, str]]:
             why = exc.strerror if isinstance(exc, OSError) else str(exc)
             out.append((name, f"unreadable ({why})"))
             continue
-        if got != want.sha256 or size != want.size:
+        if got != sha256 or got_size != size:
             out.append((name, "checksum"))
     return out
 
@@ -237,12 +363,35 @@ def parse(data: bytes) -> Manifest:
         raise ManifestError(f"{NAME} in the checkpoint is unreadable ({why})") from exc
     if not isinstance(obj, dict):
         raise ManifestError(f"{NAME} in the checkpoint is unreadable (not a JSON object)")
-    if type(obj.get("version")) is not int or obj["version"] != VERSION:
+    version = obj.get("version")
+    if type(version) is not int or version not in READS \
+            or (version == STORAGE_VERSION) != ("gpu_storage" in obj):
+        why = " (version 2 is an image with gpu_storage, and only it)" \
+            if type(version) is int and version in READS else ""
         raise ManifestError(
-            f"{NAME} has version {obj.get('version')!r}; this cudahook reads version {VERSION}"
-        )
+            f"{NAME} has version {version!r}{why}; this cudahook reads versions "
+            f"{', '.join(map(str, READS))}")
     _validate(obj)
-    return from_dict(obj, digest=hashlib.sha256(data).hexdigest())
+    m = from_dict(obj, digest=hashlib.sha256(data).hexdigest())
+    _check_storage(m)
+    return m
+
+
+def _check_storage(m: Manifest) -> None:
+    """What the schema cannot say about gpu_storage: one entry per CUDA
+    process of the image, and as many chunks as each size takes."""
+    if m.gpu_storage is None:
+        return
+    nspids = [p.nspid for p in m.gpu_storage.processes]
+    if sorted(nspids) != sorted(m.nspids):
+        raise ManifestError(f"{NAME}: gpu_storage: its processes {sorted(nspids)} are not "
+                            f"the image's {sorted(m.nspids)}")
+    for p in m.gpu_storage.processes:
+        for r in p.ranges:
+            if len(r.chunks) != -(-r.size // p.chunk):
+                raise ManifestError(f"{NAME}: gpu_storage: process {p.nspid}: "
+                                    f"{len(r.chunks)} chunks for {r.size} bytes of "
+                                    f"{p.chunk}-byte chunks")
 
 
 def from_dict(obj: dict[str, Any], digest: str | None = None) -> Manifest:
@@ -263,10 +412,23 @@ def from_dict(obj: dict[str, Any], digest: str | None = None) -> Manifest:
         gpu_memory_bytes=_int(obj.get("gpu_memory_bytes")),
         timeline=obj.get("timeline"),
         files={n: FileSum(sha256=f["sha256"], size=int(f["size"])) for n, f in sums.items()},
+        gpu_storage=_storage(obj.get("gpu_storage")),
         extra={k: v for k, v in obj.items() if k not in _KNOWN},
         version=obj.get("version", VERSION),
         digest=digest,
     )
+
+
+def _storage(obj: dict[str, Any] | None) -> GpuStorage | None:
+    if obj is None:
+        return None
+    return GpuStorage(dir=obj["dir"], digest=obj.get("digest", "sha256"), processes=tuple(
+        StoredProcess(nspid=int(p["nspid"]), chunk=int(p["chunk"]),
+                      manifest_sha256=p["manifest"]["sha256"],
+                      manifest_size=int(p["manifest"]["size"]),
+                      ranges=tuple(StorageRange(size=int(r["size"]), chunks=tuple(r["chunks"]))
+                                   for r in p["ranges"]))
+        for p in obj["processes"]))
 
 
 def _int(value: Any) -> int | None:

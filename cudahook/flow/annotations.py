@@ -27,6 +27,7 @@ class Options(Record, frozen=True):
     device_map: str | None = None
     vmm_restore_before_unlock: bool | None = None
     backend: str | None = None
+    gpu_memory: str | None = None  # `gpu_memory`: host, storage or auto
 
     def apply(self, settings: Settings) -> Settings:
         changes: dict[str, Any] = {}
@@ -40,6 +41,8 @@ class Options(Record, frozen=True):
             changes["vmm_restore_before_unlock"] = self.vmm_restore_before_unlock
         if self.backend is not None:
             changes["backend"] = self.backend
+        if self.gpu_memory is not None:
+            changes["gpu_memory"] = self.gpu_memory
         return settings.with_overrides(**changes) if changes else settings
 
 
@@ -110,4 +113,5 @@ def parse(annotations: dict[str, str] | None) -> Options:
         device_map=raw.get("device-map"),
         vmm_restore_before_unlock=flag.get(raw.get("vmm-restore-before-unlock", "")),
         backend=raw.get("backend"),
+        gpu_memory=raw.get("gpu-memory"),
     )

@@ -2,10 +2,14 @@
 
     pre_dump         refuse a second start; thaw a paused container
     _checkpoint      which container; opted out?
+      _where         host memory or storage for the GPU memory (`gpu_memory`)
       _check         discovery and every check: refuse before anything is touched
+      _reserve       storage: the image's space for GPU memory, preallocated;
+                     undo: remove what was written there
       _arm           the guardian, for a script killed from here on
       _prepare       the VMM interposer's prepare; undo: replay its state
-      _lock_all      lock all, checkpoint all; undo: restore all
+      _lock_all      lock all, checkpoint all (storage: into the image);
+                     undo: restore all
       _no_nvml_left  NVML handles CRIU cannot dump
       _record        the manifest; undo: remove it
       _hand_over     CRIU dumps the processes, now without GPU state
@@ -65,6 +69,11 @@ class Checkpoint:
         # The processes that run again after the checkpoint dropped their VMM
         # mappings: whoever brings them back says which (see _prepare).
         self.back: list[tuple[int, int]] = []
+        # Storage (gpu_memory): pid -> the directory in the image its GPU
+        # memory goes to; empty on the host path.
+        self.path: tuple[str | None, str] | None = None  # (where, why): _path
+        self.to_storage = False
+        self.storage: dict[int, str] = {}
 
     @property
     def cid(self) -> str | None:
@@ -128,6 +137,11 @@ def _checkpoint(cp: Checkpoint) -> int:
         return Exit.OK
     if cp.image_dir is None:
         raise UsageError("pre-dump: CRTOOLS_IMAGE_DIR is not set")
+    refused = _where(cp)
+    if refused is None:
+        refused = _reserve(cp)
+    if refused is not None:
+        return refused
     _arm(cp)
     gpus, models, vmm_prepare_s = _prepare(cp)
     result = _lock_all(cp)
@@ -162,6 +176,10 @@ def _check(cp: Checkpoint) -> int | None:
     for w in verdict.warnings:
         ctx.log("pre-dump", container=cid, warning=w)
     found = verdict.found
+    if any(p.code == "HOST_MEMORY" for p in verdict.problems) and found and found.processes \
+            and ctx.settings.gpu_memory != "host" and _path(cp)[0] == "storage":
+        # On the storage path the GPU memory never enters host memory.
+        verdict.problems = [p for p in verdict.problems if p.code != "HOST_MEMORY"]
     if verdict.ok and found is not None:
         cp.procs = found.processes
         return None
@@ -172,6 +190,121 @@ def _check(cp: Checkpoint) -> int | None:
     results.remember(ctx, cid, "checkpoint", check=verdict.summary(), ok=False, error=message,
                      reasons=reasons)
     return verdict.hook_exit
+
+
+def _refuse(cp: Checkpoint, code: str, message: str) -> int:
+    """A refusal before anything was locked: logged, remembered, its exit code."""
+    from cudahook.platform.reasons import REASONS
+
+    message = f"{code}: {message}; nothing was locked"
+    cp.ctx.log("pre-dump", container=cp.cid, init_pid=cp.init_pid, error=message,
+               cuda_processes=len(cp.procs), reasons=[code])
+    results.remember(cp.ctx, cp.cid, "checkpoint", ok=False, error=message, reasons=[code])
+    return int(REASONS[code].exit)
+
+
+def _path(cp: Checkpoint) -> tuple[str | None, str]:
+    """Where the GPU memory goes under `gpu_memory` (core/backends
+    gpu_memory_path), asked of the driver once: `host` asks nothing."""
+    if cp.path is None:
+        setting = cp.ctx.settings.gpu_memory
+        if setting == "host":
+            cp.path = ("host", "gpu_memory: host")
+        else:
+            from cudahook.core.backends import gpu_memory_path, probe
+
+            cp.path = gpu_memory_path(setting, probe(cp.ctx.backend))
+    return cp.path
+
+
+def _where(cp: Checkpoint) -> int | None:
+    """Where the GPU memory goes: into the processes' host memory (CRIU dumps
+    it), or with CUDA 13.4+ custom storage straight into chunk files of the
+    image, `<image>/cudahook-gpu/<nspid>/`, so that every runtime's export of
+    the image carries it. `gpu_memory: host` (the default) asks the driver
+    nothing. Storage asked for and not there is refused: nothing touched.
+    The exit code of a refusal, or None."""
+    path, why = _path(cp)
+    if path is None:
+        return _refuse(cp, "GPU_STORAGE_UNAVAILABLE", why)
+    if path == "storage":
+        assert cp.image_dir is not None
+        root = cp.image_dir / manifest.STORAGE_DIR
+        cp.to_storage = True
+        cp.storage = {p.pid: str(root / str(p.nspid)) for p in cp.procs}
+        cp.ctx.log("pre-dump", container=cp.cid, gpu_memory=path, why=why)
+    return None
+
+
+RESERVE = ".reserve"  # the preallocation, in the storage directory while it lasts
+# Room for the chunk manifests and file-system overhead, besides the memory.
+RESERVE_SLACK = 4 << 20
+
+
+def _reserve(cp: Checkpoint) -> int | None:
+    """Storage only. Hazard: a disk that fills while chunks are copied fails
+    the checkpoint with the processes locked and their memory half written
+    (the helper then puts it back: slow, and a second way to fail). The
+    GPU memory's size is preallocated in the image first, so a full disk
+    refuses before anything is locked; the reservation is released just
+    before the lock. Undo: remove every file the checkpoint writes there.
+    The exit code of a refusal, or None."""
+    if not cp.to_storage:
+        return None
+    assert cp.image_dir is not None
+    root = cp.image_dir / manifest.STORAGE_DIR
+    try:
+        _clear_storage(root)  # an older checkpoint's, in a reused image directory
+        root.mkdir(mode=0o700)
+    except OSError as exc:
+        raise EnvironmentProblem(f"pre-dump: cannot make {manifest.STORAGE_DIR} in the image: "
+                                 f"{exc}; nothing was locked") from exc
+    cp.undo.push("cannot remove the GPU memory written to the image",
+                 lambda: _clear_storage(root))
+    need = int(cp.verdict.facts.get("gpu_memory_bytes") or 0) + RESERVE_SLACK
+    import os
+
+    try:
+        fd = os.open(root / RESERVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, need)
+        finally:
+            os.close(fd)
+            (root / RESERVE).unlink()
+    except OSError as exc:
+        undone = cp.undo.unwind()
+        return _refuse(cp, "IMAGE_SPACE", "; ".join(
+            [f"cannot preallocate {need} bytes for the GPU memory in the image directory "
+             f"({exc.strerror or exc})", *undone]))
+    return None
+
+
+def _clear_storage(root: Path) -> None:
+    """Remove a storage directory of this image: the chunk files and
+    manifests in its per-process directories, then the directories. Anything
+    else there is not ours: it stays, and so does the directory (an error)."""
+    import os
+    import stat
+
+    try:
+        st = root.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{root}: not a directory")
+    for sub in os.listdir(root):
+        path = root / sub
+        if sub == RESERVE:
+            path.unlink()
+            continue
+        if not sub.isdigit() or not stat.S_ISDIR(path.lstat().st_mode):
+            raise OSError(f"{path}: not a file of a GPU-memory checkpoint")
+        for name in os.listdir(path):
+            if name == manifest.STORAGE_MANIFEST or name.endswith(".chunk"):
+                (path / name).unlink()
+        path.rmdir()
+    root.rmdir()
 
 
 def _arm(cp: Checkpoint) -> None:
@@ -239,8 +372,12 @@ def _lock_all(cp: Checkpoint) -> Any:
     Undo from here on: restore every process."""
     ctx, cid = cp.ctx, cp.cid
     cp.run.step(steps.LOCKING)
+    if cp.storage:
+        # Where the GPU memory is, by its real path: a guardian bringing the
+        # processes back after a failed dump restores from there.
+        cp.run["gpu_storage"] = {str(pid): _real(d) for pid, d in cp.storage.items()}
     try:
-        result = ctx.engine.checkpoint(cp.procs, fresh_states=True)
+        result = ctx.engine.checkpoint(cp.procs, fresh_states=True, storage=cp.storage or None)
     except PhaseError as exc:
         back = exc.result.brought_back() if exc.result else set()
         cp.back = [(p.pid, p.nspid) for p in cp.procs if p.pid in back]
@@ -258,8 +395,14 @@ def _lock_all(cp: Checkpoint) -> Any:
     return result
 
 
+def _real(path: str) -> str:
+    import os
+
+    return os.path.realpath(path)  # CRTOOLS_IMAGE_DIR is a /proc/<criu>/fd/N link
+
+
 def _restore_all(cp: Checkpoint) -> None:
-    cp.ctx.engine.restore(cp.procs)
+    cp.ctx.engine.restore(cp.procs, storage=cp.storage or None)
     cp.back = [(p.pid, p.nspid) for p in cp.procs]  # the VMM replay's, next on the stack
 
 
@@ -318,6 +461,8 @@ def _record(cp: Checkpoint, gpus: list[str], models: dict[str, Any], result: Any
     }
     cp.undo.push("cannot remove the partial manifest", lambda: _unlink(image_dir / manifest.NAME))
     try:
+        if cp.to_storage:
+            data["gpu_storage"] = _stored(cp)
         manifest.write(image_dir, data, files=[vmm.STATE_FILE] if cp.with_vmm else [])
     except Exception as exc:
         undone = cp.undo.unwind()
@@ -326,6 +471,30 @@ def _record(cp: Checkpoint, gpus: list[str], models: dict[str, Any], result: Any
             raise EnvironmentProblem(f"pre-dump: cannot record the checkpoint: {exc}") from exc
         raise PhaseError("checkpoint", [f"cannot record the checkpoint: {exc}", *undone],
                          safe=False) from exc
+
+
+def _stored(cp: Checkpoint) -> manifest.GpuStorage:
+    """What the storage checkpoint wrote, for the manifest: each process's
+    chunk manifest by its sha256 and size, and every chunk's digest, which
+    post-restore and `cudahook check --image` verify. Read back from the
+    files the helper fsynced, before CRIU dumps anything."""
+    import hashlib
+    import json
+
+    from cudahook.platform import safeio
+
+    assert cp.image_dir is not None
+    procs = []
+    for p in cp.procs:
+        raw = safeio.read_bytes(Path(cp.storage[p.pid]) / manifest.STORAGE_MANIFEST,
+                                16 << 20)
+        m = json.loads(raw)
+        procs.append(manifest.StoredProcess(
+            nspid=p.nspid, chunk=int(m["chunk"]), manifest_sha256=hashlib.sha256(raw).hexdigest(),
+            manifest_size=len(raw), ranges=tuple(
+                manifest.StorageRange(size=int(r["size"]), chunks=tuple(r["chunks"]))
+                for r in m["ranges"])))
+    return manifest.GpuStorage(dir=manifest.STORAGE_DIR, processes=tuple(procs))
 
 
 def _unlink(path: Path) -> None:
@@ -345,6 +514,7 @@ def _hand_over(cp: Checkpoint, gpus: list[str], models: dict[str, Any], result: 
     ctx.log("checkpoint", container=cid, pids=cp.pids, nspids=[p.nspid for p in cp.procs],
             total_s=result.timeline.total(), timeline=timeline)
     results.remember(ctx, cid, "checkpoint", ok=True, pids=cp.pids,
+                     gpu_memory="storage" if cp.to_storage else "host",
                      total_s=round(result.timeline.total(), 6), timeline=timeline,
                      gpu_bytes=cp.verdict.facts.get("gpu_memory_bytes"),
                      vmm_prepare_s=vmm_prepare_s,

@@ -594,7 +594,8 @@ def read_manifest(image_dir: Path) -> Manifest | CudahookError | None:
 
 def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
                    opts: ann.Options, *, use_cache: bool = True,
-                   found: Manifest | CudahookError | None = _READ) -> Verdict:
+                   found: Manifest | CudahookError | None = _READ,
+                   quick: bool = False) -> Verdict:
     """Whether this image can be restored on this node; the device map in
     facts["device_map"] when it can. Refusals that no retry on this node can
     change are remembered (see `_cache_key`).
@@ -625,7 +626,7 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
         cached.manifest = m
         return cached
     v.checked.append("integrity")
-    for name, problem in manifest.verify_files(image_dir, m):
+    for name, problem in manifest.verify_files(image_dir, m, quick):
         if problem == "checksum":
             v.add("IMAGE_CHECKSUM", f"{name}: sha256 or size differs from the manifest's")
         else:
@@ -644,11 +645,32 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
         if not os.access(ctx.settings.tool("vmm_coordinator"), os.X_OK):
             v.add("VMM_COORDINATOR_MISSING",
                   f"the image needs it: not executable: {ctx.settings.tool('vmm_coordinator')}")
+    _custom_storage(ctx, v, m)
     if not v.problems:
         _restore_persistence(ctx, v, v.facts.get("device_map"), m)
     if key and v.problems and all(p.reason.cacheable for p in v.problems):
         _cache_put(ctx, key, v)
     return v
+
+
+def _custom_storage(ctx: Context, v: Verdict, m: Manifest) -> None:
+    """An image with its GPU memory in storage restores only through custom
+    storage: a driver or backend without it is refused now, cleanly, not
+    found out at post-resume with the tasks running."""
+    from cudahook.core.backends import probe
+
+    if m.gpu_storage is None:
+        return
+    v.checked.append("custom storage")
+    try:
+        f = probe(ctx.backend)
+        have, why = f.custom_storage, f.custom_storage_why
+    except CudahookError as exc:
+        have, why = False, str(exc)
+    finally:
+        ctx.engine.end_phase()  # the probe's driver attach ends with the check
+    if not have:
+        v.add("GPU_STORAGE_UNAVAILABLE", f"the image holds its GPU memory in storage: {why}")
 
 
 def _restore_persistence(ctx: Context, v: Verdict, mapping: dict[str, str] | None,

@@ -409,6 +409,21 @@ def _thawed(ctx: Any, args: dict[str, Any], cid: str | None,
     return alive
 
 
+def _stored(args: dict[str, Any]) -> dict[int, str] | None:
+    """GPU memory the pre-dump checkpointed into the image (custom storage):
+    pid -> its directory, as the run's record holds it. A plain restore
+    would find nothing to restore in those processes."""
+    from pathlib import Path
+
+    from cudahook.platform.store import read_json
+
+    data = read_json(Path(args["run"])) if args.get("run") else None
+    dirs = data.get("gpu_storage") if isinstance(data, dict) else None
+    if not isinstance(dirs, dict):
+        return None
+    return {int(p): d for p, d in dirs.items() if str(p).isdigit() and isinstance(d, str)}
+
+
 def _resume(ctx: Any, args: dict[str, Any], cid: str | None, alive: list[int], how: str,
             keep: dict[str, Any] | None) -> int:
     """Only `running` is safe. Locked or checkpointed: what a checkpoint
@@ -436,7 +451,8 @@ def _resume(ctx: Any, args: dict[str, Any], cid: str | None, alive: list[int], h
                         "resume", run=how)
                 return 0
             result = ctx.engine.restore(todo, unlock=not (
-                keep and ctx.settings.vmm_restore_before_unlock)) if todo else None
+                keep and ctx.settings.vmm_restore_before_unlock),
+                storage=_stored(args)) if todo else None
             if keep and result is not None:
                 _vmm_restore(ctx, cid, keep, result)
     except CudahookError as exc:

@@ -7,6 +7,7 @@ image is untouched and the restore can be retried once the cause is fixed.
     post_restore     read the manifest; no CUDA state: nothing to do
       _watch         arm the restore watcher, before anything else
       _check         the checks of `cudahook check --image`: refuse cleanly
+                     (GPU memory in storage: every chunk against its digest)
       _keep          what post-resume needs from the image, kept now
       _leave_mark    the mark that lets post-resume reach Python
 
@@ -14,8 +15,9 @@ post-resume: the tasks run, still checkpointed. CRIU only logs a failure
 here, so failing closed is ours: a workload is never released half-restored.
 
     post_resume      one fail-closed guard around every step
-      _restore       restore all (with the device map), unlock, verify running;
-                     the VMM replay
+      _restore       restore all (with the device map; storage: from the
+                     image's chunks, each checked again), unlock, verify
+                     running; the VMM replay
       _fail_closed   undo for a half-restored workload: none is possible -
                      kill the container; the image is unchanged
       _restored      the bookkeeping of a restore that succeeded
@@ -103,7 +105,8 @@ def _watch(ctx: Context, criu_pid: int, found: Manifest | CudahookError, init_pi
 def _check(ctx: Context, image_dir: Path, found: Manifest | CudahookError, init_pid: int,
            criu_pid: int, run: CriuRun) -> tuple[dict[str, Any] | None, Context, Manifest, Any]:
     """The restore checks of `cudahook check --image` (flow/checks.py): the
-    image intact, CRIU's own CUDA plugin absent (it would restore these
+    image intact (GPU memory in storage: every chunk, and a driver with
+    custom storage to restore it), CRIU's own CUDA plugin absent (it would restore these
     processes without a device map), the same driver branch, the GPUs
     present, a device map this driver can apply, the VMM coordinator. A
     refusal here is clean; one that no retry here can change is
@@ -145,7 +148,22 @@ def _keep(ctx: Context, image_dir: Path, m: Manifest, mapping: Any, run: CriuRun
     else:  # the checks made sure it is there
         vmm_dir = vmm.locate_state(image_dir, run.path.with_suffix(".vmm"))
     run["vmm_dir"] = vmm_dir
+    run["gpu_storage"] = _storage_root(image_dir, m)
     run["manifest"] = m
+
+
+def _storage_root(image_dir: Path, m: Manifest) -> dict[str, Any] | None:
+    """Hazard: CRIU closes the image directory before post-resume, and the
+    GPU memory is too large to copy aside as the VMM state is. Kept: its
+    real path (CRTOOLS_IMAGE_DIR is a /proc/<criu>/fd/N link) and identity,
+    which post-resume checks before it reads a byte from there."""
+    import os
+
+    if m.gpu_storage is None:
+        return None
+    root = os.path.realpath(image_dir / m.gpu_storage.dir)
+    st = os.lstat(root)
+    return {"dir": root, "dev": st.st_dev, "ino": st.st_ino}
 
 
 def _leave_mark(criu_pid: int) -> None:
@@ -212,7 +230,8 @@ def _restore(ctx: Context, run: CriuRun, data: Manifest, init_pid: int,
     #    checkpointed: the engine releases nothing on failure.
     vmm_dir = run.get("vmm_dir")
     before = bool(vmm_dir) and ctx.settings.vmm_restore_before_unlock
-    result = ctx.engine.restore(procs, mapping, unlock=not before)
+    storage = _storage_dirs(run, data, procs)
+    result = ctx.engine.restore(procs, mapping, unlock=not before, storage=storage)
     # 3. The VMM coordinator replays CUDA calls inside the workload: it
     #    needs the processes restored and, by default, unlocked.
     began, vmm_s = time.monotonic(), None
@@ -223,6 +242,40 @@ def _restore(ctx: Context, run: CriuRun, data: Manifest, init_pid: int,
         if before:
             ctx.engine.unlock(procs)
     return result, procs, mapping, vmm_s
+
+
+def _storage_dirs(run: CriuRun, data: Manifest, procs: list[int]) -> dict[int, str] | None:
+    """Host PID -> the directory its GPU memory is restored from (storage),
+    or None (host memory). The directory must be the one post-restore
+    verified, and each process's chunk manifest the one this image's
+    manifest records: the helper checks every chunk against that file
+    before it touches the process, and again as it copies each one in."""
+    import hashlib
+    import os
+
+    from cudahook.platform import safeio
+
+    if data.gpu_storage is None:
+        return None
+    kept = run.get("gpu_storage")
+    if not kept:
+        raise EnvironmentProblem("post-resume: post-restore kept no GPU-memory directory")
+    st = os.lstat(kept["dir"])
+    if (st.st_dev, st.st_ino) != (kept["dev"], kept["ino"]):
+        raise EnvironmentProblem(f"post-resume: {kept['dir']} is no longer the directory "
+                                 "post-restore verified")
+    by_nspid = {p.nspid: p for p in data.gpu_storage.processes}
+    out = {}
+    for pid, nspid in zip(procs, data.nspids, strict=True):
+        where = os.path.join(kept["dir"], str(nspid))
+        raw = safeio.read_bytes(os.path.join(where, manifest.STORAGE_MANIFEST), 16 << 20)
+        want = by_nspid[nspid]
+        if hashlib.sha256(raw).hexdigest() != want.manifest_sha256:
+            raise EnvironmentProblem(f"post-resume: {manifest.STORAGE_DIR}/{nspid}/"
+                                     f"{manifest.STORAGE_MANIFEST} changed since post-restore",
+                                     reason="IMAGE_CHECKSUM")
+        out[pid] = where
+    return out
 
 
 def fail_closed(ctx: Context, init_pid: int | None, cid: str | None,

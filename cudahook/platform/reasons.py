@@ -98,6 +98,10 @@ _ALL = [
     Reason("HOST_MEMORY", "checkpoint", Exit.FAILED,
            "not enough host memory for the GPU memory a checkpoint copies into the processes",
            "free host memory, raise the container's memory limit, or shrink the GPU working set"),
+    Reason("GPU_STORAGE_UNAVAILABLE", "both", Exit.ENVIRONMENT,
+           "GPU memory in storage is asked for (or the image holds it) and the driver "
+           "cannot give it",
+           "a CUDA 13.4+ driver with the driver-API backend, or gpu_memory: host (or auto)"),
     Reason("IMAGE_SPACE", "checkpoint", Exit.FAILED,
            "not enough free space for the checkpoint image",
            "free space in the image directory, or checkpoint elsewhere"),

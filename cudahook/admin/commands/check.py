@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="restore side: the GPUs to restore onto (default: the checkpoint's)")
     p.add_argument("--fresh", action="store_true",
                    help="restore side: ignore a remembered 'never on this node' verdict")
+    p.add_argument("--quick", action="store_true",
+                   help="restore side: of GPU memory in storage, verify each process's chunk "
+                   "manifest and a sample of its chunks, not every chunk")
 
 
 def run(args: argparse.Namespace) -> int:

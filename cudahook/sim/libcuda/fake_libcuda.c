@@ -1096,7 +1096,11 @@ static CUresult copy(void *host, CUdeviceptr dev, size_t n, CUstream hStream, in
     pthread_rwlock_rdlock(&ops_lock);
     struct CUIcheckpointOperation_st *op = range_of(dev, n);
     CUresult rc = op ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
-    if (op) {
+    /* One copy is one chunk of a custom-storage checkpoint (copy-out) or
+     * restore (copy-in): `skip` picks the chunk a fault hits. */
+    if (op)
+        rc = inject_fault(op->pid, to_device ? "copy-in" : "copy-out");
+    if (op && rc == CUDA_SUCCESS) {
         if (to_device)
             memcpy((void *)(uintptr_t)dev, host, n);
         else
