@@ -337,6 +337,12 @@ def test_agent_commands_start_status_stop(node, capsys) -> None:  # type: ignore
         assert main(["agent", "status", "--config", str(config), "--json"]) == 0
         out = capsys.readouterr().out
         assert "agent: started, pid" in out and '"up": true' in out
+        from cudahook.admin.doctor import run_checks
+        from cudahook.flow.context import Context
+
+        seen = [c for c in run_checks(Context(settings), str(node.lab.root / "no-node"))
+                if c.name == "node agent"]
+        assert len(seen) == 1 and seen[0].detail.startswith("running, pid"), seen
     finally:
         assert main(["agent", "stop", "--config", str(config)]) == 0
     assert "agent: stopped" in capsys.readouterr().out

@@ -34,8 +34,9 @@ def container_for(ctx: Context, init_pid: int) -> tuple[dict[str, Any] | None, C
         options = {}
     opts = ann.parse({ann.PREFIX + str(k): v for k, v in options.items()})
     settings = opts.apply(ctx.settings)
-    if settings is not ctx.settings:
-        ctx = Context(settings, ctx.host)
+    key = (record or {}).get("key")
+    if settings is not ctx.settings or (key and "backend" not in ctx.__dict__):
+        ctx = Context(settings, ctx.host, key if isinstance(key, str) else None)
     return record, ctx, opts
 
 

@@ -18,9 +18,13 @@ if TYPE_CHECKING:
 
 
 class Context:
-    def __init__(self, settings: Settings, host: Host | None = None):
+    def __init__(self, settings: Settings, host: Host | None = None,
+                 container: str | None = None):
         self.settings = settings
         self.host = host if host is not None else Host()
+        # The container this run acts on (its store key), once known: the
+        # node agent is told whose calls a session makes.
+        self.container = container
 
     @cached_property
     def store(self) -> Store:
@@ -28,7 +32,10 @@ class Context:
 
     @cached_property
     def backend(self) -> Backend:
-        return make_backend(self.settings, self.host)
+        backend = make_backend(self.settings, self.host)
+        if self.container is not None and hasattr(backend, "container"):
+            backend.container = self.container
+        return backend
 
     @cached_property
     def engine(self) -> Engine:
