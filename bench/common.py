@@ -105,6 +105,22 @@ def timed_phase(settings: Any, phase: str, pids: Sequence[int]) -> tuple[float, 
     return dt, backend
 
 
+def verify_restored(lab: Any, tags: Sequence[str], restores: int) -> None:
+    """Each workload's memory check after its `restores`-th restore, just
+    made (untimed): it ran again and its whole device memory is what it was."""
+    deadline = time.monotonic() + 120
+    for tag in tags:
+        while True:
+            st = lab.status(tag)
+            if st.get("errors") or st.get("intact") is False:
+                raise RuntimeError(f"workload {tag} after a restore: {st}")
+            if st.get("checked_restores") == restores:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workload {tag} did not check its memory: {st}")
+            time.sleep(0.05)
+
+
 def spawn_wait(argv: Sequence[str], env: dict[str, str] | None = None,
                stdin_data: bytes | None = None) -> tuple[float, int]:
     """(seconds, exit status) of one fork+exec+wait, stdio on /dev/null.

@@ -30,6 +30,7 @@ from bench.common import (
     sim_node,
     sim_node_options,
     timed_phase,
+    verify_restored,
 )
 
 TITLE = "checkpoint+restore of 8 processes on 8 GPUs vs the physical limit"
@@ -93,22 +94,8 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
 
 
 def verify(lab, gpus: int, restores: int) -> None:  # type: ignore[no-untyped-def]
-    """Each workload's memory check after its `restores`-th restore, just
-    made (untimed): it ran again and its whole device memory is what it was."""
-    import time
-
-    deadline = time.monotonic() + 120
-    for i in range(gpus):
-        tag = f"g{i}"
-        while True:
-            st = lab.status(tag)
-            if st.get("errors") or st.get("intact") is False:
-                raise RuntimeError(f"workload {tag} after a restore: {st}")
-            if st.get("checked_restores") == restores:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"workload {tag} did not check its memory: {st}")
-            time.sleep(0.05)
+    """The memory check of the workloads g0..g{gpus-1} after a restore."""
+    verify_restored(lab, [f"g{i}" for i in range(gpus)], restores)
 
 
 def parser():  # type: ignore[no-untyped-def]

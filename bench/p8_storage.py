@@ -43,6 +43,7 @@ from bench.common import (
     run_main,
     sim_node_options,
     tmpdir,
+    verify_restored,
 )
 
 TITLE = "GPU memory in storage vs host memory: runc checkpoint + restore, 8 GPUs"
@@ -221,7 +222,7 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                     samples.setdefault(f"peak-MiB-{v}", []).append(peak / 2**20)
                     samples.setdefault(f"cgroup-peak-MiB-{v}", []).append(cg_peak / 2**20)
                     samples.setdefault(f"criu-image-MiB-{v}", []).append(image_mib)
-                    verify(lab, tags, r + 1)
+                    verify_restored(lab, tags, r + 1)
                 log(f"P8 rep {r + 1}/{reps}: " + ", ".join(
                     f"{k} {v[-1]:.2f}" for k, v in samples.items()))
         finally:
@@ -264,21 +265,6 @@ def cycle(box, cid: str, bundle: Path, image: Path) -> tuple[float, int, int, fl
     for path in (image, Path(f"{image}.work"), Path(f"{image}.rwork")):
         shutil.rmtree(path, ignore_errors=True)
     return dt, peak.peak, peak.cgroup_peak, image_mib
-
-
-def verify(lab, tags: list[str], restores: int) -> None:  # type: ignore[no-untyped-def]
-    """Each workload's memory check after its `restores`-th restore (untimed)."""
-    deadline = time.monotonic() + 120
-    for tag in tags:
-        while True:
-            st = lab.status(tag)
-            if st.get("errors") or st.get("intact") is False:
-                raise RuntimeError(f"workload {tag} after a restore: {st}")
-            if st.get("checked_restores") == restores:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"workload {tag} did not check its memory: {st}")
-            time.sleep(0.05)
 
 
 def parser():  # type: ignore[no-untyped-def]
