@@ -153,13 +153,7 @@ class Driver:
         elif op == "restore":
             pairs = req.get("pairs") or []
             restore = CUcheckpointRestoreArgs()
-            if pairs:
-                array = (CUcheckpointGpuPair * len(pairs))()
-                for i, (old, new) in enumerate(pairs):
-                    array[i].oldUuid.bytes = bytes.fromhex(old)
-                    array[i].newUuid.bytes = bytes.fromhex(new)
-                restore.gpuPairs = ctypes.cast(array, ctypes.POINTER(CUcheckpointGpuPair))
-                restore.gpuPairsCount = len(pairs)
+            array = _gpu_pairs(restore, pairs)  # noqa: F841 - must outlive the call
             _check(lib.cuCheckpointProcessRestore(pid, ctypes.byref(restore)))
         elif op == "unlock":
             unlock = CUcheckpointUnlockArgs()
