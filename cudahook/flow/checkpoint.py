@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 
 
 
+# What a failed "restore every process" undo is reported as.
+ROLLBACK_FAILED = "rolling back failed"
+
+
 class Checkpoint:
     """What the steps of one pre-dump learn and hand on. (A plain class: the
     dataclasses module costs every hook start milliseconds of imports.)"""
@@ -391,7 +395,7 @@ def _lock_all(cp: Checkpoint) -> Any:
         results.remember(ctx, cid, "checkpoint", ok=False, error=error, unsafe=unsafe,
                          rolled_back=bool(exc.result and exc.result.rolled_back))
         return Exit.UNSAFE if undone else int(exc.exit_code)
-    cp.undo.push("rolling back failed", lambda: _restore_all(cp))
+    cp.undo.push(ROLLBACK_FAILED, lambda: _restore_all(cp))
     return result
 
 
@@ -422,7 +426,7 @@ def _no_nvml_left(cp: Checkpoint) -> int | None:
     message = ("NVML_FDS: CRIU cannot dump open NVIDIA device files left after the CUDA "
                "checkpoint (NVML handles are not released by it): "
                + describe_holders(leftover, "CUDA process"))
-    rolled = not any(u.startswith("rolling back failed") for u in undone)
+    rolled = not any(u.startswith(f"{ROLLBACK_FAILED}: ") for u in undone)
     message = "; ".join([message, *(["every process was restored and runs"] if rolled else []),
                          *undone])
     code = Exit.UNSAFE if undone else Exit.FAILED
