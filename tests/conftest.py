@@ -31,6 +31,20 @@ if "CUDAHOOK_CRIU" not in os.environ and (REPO / ".cache/criu/bin/criu").exists(
     os.environ["CUDAHOOK_CRIU"] = str(REPO / ".cache/criu/bin/criu")
 
 
+def count_opens(monkeypatch: pytest.MonkeyPatch, path: str) -> list[str]:
+    """Every os.open of `path` from now on: the list grows as they happen."""
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(p: object, *args: object, **kwargs: object) -> int:
+        if os.fspath(p) == path:  # type: ignore[call-overload]
+            opened.append(path)
+        return real_open(p, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", counting_open)
+    return opened
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     how = "private mount namespace" if _SANDBOX.private else "no namespace (not root)"
     return f"cudahook sandbox: CUDAHOOK_ROOT={_SANDBOX.root}, {how}"

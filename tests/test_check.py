@@ -25,7 +25,7 @@ from cudahook.core import manifest
 from cudahook.platform import reasons
 from cudahook.platform.store import Store
 
-from .conftest import Node, requires_root
+from .conftest import Node, count_opens, requires_root
 
 HERE = Path(__file__)
 _configs = itertools.count()
@@ -410,15 +410,7 @@ def test_outside_files_read_safely__restore_checks_judge_the_manifest_read_once(
     img = image(tmp_path, node)
     path = str(img / manifest.NAME)
     first = Path(path).read_bytes()
-    opened: list[str] = []
-    real_open = os.open
-
-    def counting_open(p: Any, *args: Any, **kwargs: Any) -> int:
-        if os.fspath(p) == path:
-            opened.append(path)
-        return real_open(p, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", counting_open)
+    opened = count_opens(monkeypatch, path)
     v = checks.restore_checks(ctx, img, None, ann.Options())
     assert v.ok and len(opened) == 1, (v.message(), opened)
     assert v.manifest is not None and v.manifest.digest == hashlib.sha256(first).hexdigest()

@@ -58,11 +58,13 @@ def test_from_env_non_numeric_init_pid(pid: str) -> None:
 # -- the installed script -----------------------------------------------------------------
 
 
-def install(tmp: Path, node: Node | None = None, python: str = sys.executable) -> Path:
+def install(tmp: Path, node: Node | None = None, python: str = sys.executable,
+            **settings: object) -> Path:
+    """The action script, installed with the node's settings (and `settings`)."""
     config = None
     if node is not None:
         config = tmp / "cudahook.yaml"
-        config.write_text(yaml.safe_dump(dict(node.settings().__dict__)))
+        config.write_text(yaml.safe_dump(dict(node.settings(**settings).__dict__)))
     paths = hookfiles.install(tmp / "hooks", python=python,
                               config=str(config) if config else None)
     return paths["cudahook-criu-action"]
@@ -133,14 +135,19 @@ def events(node: Node, name: str | None = None) -> list[dict[str, Any]]:
     return [e for e in lines if name is None or e["event"] == name]
 
 
-def test_pre_dump_without_cuda_processes(node: Node, tmp_path: Path) -> None:
-    script = install(tmp_path, node)
-    image = tmp_path / "img"
-    image.mkdir()
+def _pre_dump_without_cuda(node: Node, script: Path, image: Path
+                           ) -> subprocess.CompletedProcess[str]:
+    """pre-dump of a container whose processes hold no GPU."""
+    image.mkdir(exist_ok=True)
     plain = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], start_new_session=True)
     node.procs.append(plain)  # type: ignore[arg-type]
-    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(plain.pid),
-               CRTOOLS_IMAGE_DIR=str(image))
+    return action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(plain.pid),
+                  CRTOOLS_IMAGE_DIR=str(image))
+
+
+def test_pre_dump_without_cuda_processes(node: Node, tmp_path: Path) -> None:
+    image = tmp_path / "img"
+    r = _pre_dump_without_cuda(node, install(tmp_path, node), image)
     assert r.returncode == 0, r.stderr
     assert os.listdir(image) == []
     assert [e["cuda_processes"] for e in events(node, "pre-dump")] == [0]
@@ -156,16 +163,9 @@ def test_pre_dump_asks_nvidia_smi_only_when_a_process_holds_a_gpu(
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {node.lab.nvidia_smi} "$@"\n')
     smi.chmod(0o755)
-    config = tmp_path / "cudahook.yaml"
-    config.write_text(yaml.safe_dump(dict(node.settings(nvidia_smi=str(smi)).__dict__)))
-    script = hookfiles.install(tmp_path / "hooks", python=sys.executable,
-                               config=str(config))["cudahook-criu-action"]
+    script = install(tmp_path, node, nvidia_smi=str(smi))
     image = tmp_path / "img"
-    image.mkdir()
-    plain = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], start_new_session=True)
-    node.procs.append(plain)  # type: ignore[arg-type]
-    r = action(script, "pre-dump", new_run=True, CRTOOLS_INIT_PID=str(plain.pid),
-               CRTOOLS_IMAGE_DIR=str(image))
+    r = _pre_dump_without_cuda(node, script, image)
     assert r.returncode == 0, r.stderr
     assert not calls.exists()
     monitor = node.spawn_tree(("n", {"nvml_only": True}))

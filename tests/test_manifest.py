@@ -14,6 +14,8 @@ import pytest
 from cudahook.core import manifest
 from cudahook.core.manifest import FileSum, GpuModel, Manifest, ManifestError, Process
 
+from .conftest import count_opens
+
 DATA = {
     "container_id": "gpu-1",
     "driver_version": "580.65.06",
@@ -274,15 +276,7 @@ def test_outside_files_read_safely__the_manifest_is_opened_once(
     another file put in the first one's place."""
     manifest.write(tmp_path, WRITTEN)
     path = str(tmp_path / manifest.NAME)
-    opened: list[str] = []
-    real_open = os.open
-
-    def counting_open(p: Any, *args: Any, **kwargs: Any) -> int:
-        if os.fspath(p) == path:
-            opened.append(path)
-        return real_open(p, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", counting_open)
+    opened = count_opens(monkeypatch, path)
     m = manifest.read(tmp_path)
     assert m is not None and m.digest is not None
     assert len(opened) == 1
