@@ -423,3 +423,43 @@ def test_install_places_the_agent_unit_not_enabled_and_uninstall_removes_it(tmp_
     assert not list(root.glob("etc/systemd/system/*.wants/cudahook-agent.service"))
     rc, _, _ = run(root, "uninstall", prefix)
     assert rc == 0 and not unit.exists()
+
+
+def test_status_and_metrics_show_the_agent(node, capsys) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.admin.cli import main
+    from cudahook.platform import metrics
+    from cudahook.platform.atomic import write_json_atomic
+
+    from .test_metrics import samples, value
+
+    pids = workloads(node, 1)
+    settings = node.lab.settings(backend="driver-api")
+    config = node.lab.root / "config.json.yaml"
+    write_json_atomic(config, {k: v for k, v in settings.as_dict().items() if v is not None})
+    prom = Path(settings.state_dir) / metrics.DEFAULT_NAME
+    with running_agent(settings) as proc:
+        for name in ("checkpoint", "restore"):
+            assert phase(settings, name, pids)[0].ok
+        info = agent.status(settings)
+        assert info and info["served"] == 2 and info["calls"] >= 4 and info["rss_bytes"] > 0
+        capsys.readouterr()
+        assert main(["status", "--config", str(config)]) == 0
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.startswith(f"node agent: running, pid {proc.pid}, driver 580."), line
+        assert f"{info['calls']} calls in 2 sessions served, 0 open" in line, line
+        assert main(["status", "--config", str(config), "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)["agent"]
+        assert shown["up"] and shown["pid"] == proc.pid and shown["calls"] == info["calls"]
+        # In the metrics about a second after the sessions ended.
+        wait_for(lambda: prom.exists() and value(samples(prom), "cudahook_agent_calls_total")
+                 == info["calls"], 10)
+        found = samples(prom)
+        assert value(found, "cudahook_agent_up", pid=str(proc.pid)) == 1
+        assert value(found, "cudahook_agent_sessions_total") == 2
+        assert (value(found, "cudahook_agent_resident_bytes", process="agent") or 0) > 0
+        assert main(["agent", "stop", "--config", str(config)]) == 0
+        assert value(samples(prom), "cudahook_agent_up", pid=str(proc.pid)) == 0
+    capsys.readouterr()
+    assert main(["status", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("node agent: not running")
+    healthy(node, 1)

@@ -160,6 +160,8 @@ class Agent:
         self.served = 0
         self.calls = 0
         self.connections = 0
+        self.changed = threading.Event()  # sessions ended: the metrics are due
+        self.publishing = threading.Lock()
         self.listener: socket.socket | None = None
 
     # -- the driver and its workers ------------------------------------------------
@@ -409,6 +411,7 @@ class Agent:
         with self.lock:
             self.sessions.discard(session)
             self.last_active = time.monotonic()
+        self.changed.set()
         self._warm()  # a worker lost with the session is replaced
 
     # -- control -------------------------------------------------------------------
@@ -436,15 +439,19 @@ class Agent:
                     "served": self.served, "restarting": self.restarting}
 
     def _publish(self) -> None:
-        """The agent's numbers into the metrics file, every AGENT_REFRESH_S
-        while it serves (a hook's write in between reads whether it lives)."""
+        """The agent's numbers into the metrics file: about a second after
+        sessions ended, and every AGENT_REFRESH_S anyway (a hook's write in
+        between reads whether the agent lives)."""
         from cudahook.platform import metrics
 
-        while not self.stopping:
-            metrics.update_agent(self.settings, self.stats())
-            until = time.monotonic() + metrics.AGENT_REFRESH_S
-            while not self.stopping and time.monotonic() < until:
-                time.sleep(0.2)
+        while True:
+            with self.publishing:  # never after the last write, _shutdown's
+                if self.stopping:
+                    return
+                metrics.update_agent(self.settings, self.stats())
+            time.sleep(1.0)
+            self.changed.wait(metrics.AGENT_REFRESH_S)
+            self.changed.clear()
 
     def _control(self, control: dict[str, Any]) -> dict[str, Any]:
         op = control.get("op")
@@ -579,7 +586,8 @@ class Agent:
             os.unlink(pid_path(self.settings))
         from cudahook.platform import metrics
 
-        metrics.update_agent(self.settings, {**self.stats(), "exited": True})
+        with self.publishing:
+            metrics.update_agent(self.settings, {**self.stats(), "exited": True})
         os.close(lock)
 
 
