@@ -463,3 +463,52 @@ def test_status_and_metrics_show_the_agent(node, capsys) -> None:  # type: ignor
     assert main(["status", "--config", str(config)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("node agent: not running")
     healthy(node, 1)
+
+
+def test_install_without_systemd_restarts_a_running_agent_and_uninstall_stops_it(  # type: ignore[no-untyped-def]
+        node, tmp_path) -> None:
+    """No systemd as PID 1 (this node in a directory): an upgrade through the
+    installer restarts the agent that runs, so it never serves with old
+    code; --uninstall stops it."""
+    import io
+    from contextlib import redirect_stdout
+
+    from cudahook.admin import installer
+    from cudahook.platform.atomic import write_json_atomic
+
+    from . import nodefiles
+    from .test_installer import REPO
+
+    root = nodefiles.site_node(tmp_path / "node")
+    (root / "usr/local/bin").mkdir(parents=True)
+    prefix = root / "opt/cudahook"
+    (prefix / "venv/bin").mkdir(parents=True)
+    python = prefix / "venv/bin/python"  # the installed code: this checkout's
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    settings = node.lab.settings(backend="driver-api")
+    config = root / "etc/cudahook/config.yaml"
+    config.parent.mkdir(parents=True)
+    write_json_atomic(config, {k: v for k, v in settings.as_dict().items() if v is not None})
+
+    def installer_run(*args: str) -> str:
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = installer.main([*args, "--root", str(root), "--prefix", str(prefix)])
+        assert rc == 0, out.getvalue()
+        return out.getvalue()
+
+    with running_agent(settings) as proc:
+        out = installer_run("install", "--python", str(python), "--source", str(REPO))
+        assert "restarted the running node agent on the new code" in out, out
+        assert proc.wait(30) == 0  # the old one ended cleanly
+        info = wait_for(lambda: agent.status(settings, 1.0))
+        assert info["pid"] != proc.pid
+        new = info["pid"]
+        try:
+            out = installer_run("uninstall")
+            assert "stopped the running node agent" in out, out
+            assert agent.status(settings, 1.0) is None and not Host().alive(new)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(new, signal.SIGKILL)
