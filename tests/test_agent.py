@@ -512,3 +512,33 @@ def test_install_without_systemd_restarts_a_running_agent_and_uninstall_stops_it
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(new, signal.SIGKILL)
+
+
+def test_the_daemonset_runs_the_agent_after_its_install_in_the_hosts_root() -> None:
+    """deploy/daemonset.yaml: the agent container runs the code install.sh
+    installs, with the configuration it installs, in the host's root and PID
+    namespace, and only after this pod's install finished."""
+    import yaml
+
+    from cudahook.admin.installer import agent_unit
+    from cudahook.platform import paths
+
+    from .test_installer import REPO
+
+    doc = yaml.safe_load((REPO / "deploy/daemonset.yaml").read_text())
+    spec = doc["spec"]["template"]["spec"]
+    assert spec["hostPID"] is True
+    containers = {c["name"]: c for c in spec["containers"]}
+    install, runner = containers["install"], containers["agent"]
+    assert runner["image"] == install["image"] and runner["securityContext"]["privileged"]
+    mark = "/pod/installed"
+    assert install["args"][0].index("install.sh") < install["args"][0].index(f"touch {mark}")
+    script = runner["args"][0].replace("\\\n", " ")
+    assert script.index(f"until [ -e {mark} ]") < script.index("exec chroot /host ")
+    command = " ".join(script.split("exec chroot /host ", 1)[1].split())
+    # What the systemd unit runs on a node install.sh set up at its defaults.
+    unit = agent_unit(f"{paths.PREFIX}/venv/bin/python", Path(paths.CONFIG))
+    assert f"ExecStart={command}\n" in unit, (command, unit)
+    mounts = {m["name"]: m["mountPath"] for m in runner["volumeMounts"]}
+    assert mounts == {"host": "/host", "pod": "/pod"}
+    assert {"name": "pod", "emptyDir": {}} in spec["volumes"]
