@@ -50,9 +50,10 @@ AGENT_FIELDS = ("pid", "version", "calls", "served", "sessions", "in_flight", "i
                 "rss_bytes", "workers_rss_bytes")
 
 
-def agent_view(settings: Any) -> dict[str, Any]:
+def agent_view(settings: Any, *, full: bool = False) -> dict[str, Any]:
     """The node agent as status and doctor show it: up or not (and how
-    phases attach then), and while up what its status answers."""
+    phases attach then), and while up what its status answers (`full`: all
+    of it, its sessions and workers too)."""
     import os
 
     from cudahook.core import agent_client
@@ -62,8 +63,9 @@ def agent_view(settings: Any) -> dict[str, Any]:
         info = agent_client.status(settings, timeout=2.0)
     if info is None:
         return {"up": False, "mode": settings.agent}
+    keys = info if full else AGENT_FIELDS
     return {"up": True, "mode": settings.agent,
-            **{k: info.get(k) for k in AGENT_FIELDS if info.get(k) is not None}}
+            **{k: info.get(k) for k in keys if info.get(k) is not None and k != "ok"}}
 
 
 def agent_text(view: dict[str, Any]) -> str:

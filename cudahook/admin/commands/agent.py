@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "status":
         from cudahook.admin.status import agent_text, agent_view
 
-        view = agent_view(settings)
+        view = agent_view(settings, full=True)
         if getattr(args, "json", False):
             print(json.dumps(view, indent=1))
         else:
