@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cudahook.core.agent_client import EXIT_ANOTHER_AGENT
 from cudahook.platform import paths
 
 from . import configure, hookfiles
@@ -66,7 +67,8 @@ def agent_unit(python: str, config: Path) -> str:
             "After=nvidia-persistenced.service\n\n"
             "[Service]\nType=simple\n"
             f"ExecStart={python} -I -m cudahook.core.agent --config {config}\n"
-            "Restart=on-failure\n\n"
+            "Restart=on-failure\n"
+            f"RestartPreventExitStatus={EXIT_ANOTHER_AGENT}\n\n"
             "[Install]\nWantedBy=multi-user.target\n")
 
 

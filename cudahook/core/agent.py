@@ -48,6 +48,7 @@ import time
 
 from cudahook.core.agent_client import (  # noqa: F401 - the agent's names, for its callers
     CLIENT_GRACE_S,
+    EXIT_ANOTHER_AGENT,
     FIELDS,
     HELLO_MAX,
     LOCKFILE,
@@ -69,6 +70,7 @@ from cudahook.core.agent_client import (  # noqa: F401 - the agent's names, for 
     status,
     trusted_uid,
 )
+from cudahook.platform.ids import PID_MAX_LIMIT
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -86,7 +88,6 @@ if TYPE_CHECKING:
 # and any line that is not a request gets one error line back.
 LINE_MAX = HELLO_MAX  # a call is some 100 bytes, a restore's GPU pairs a few KiB
 MAX_CONNECTIONS = 256  # served at once (each is a thread); past it, refused
-PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT: no real target is larger
 LOCK_TIMEOUT_MAX_MS = 3_600_000  # the driver's lock wait, at most an hour
 PAIRS_MAX = 64  # GPU pairs of one restore
 HEX_UUID = frozenset("0123456789abcdefABCDEF")
@@ -96,7 +97,7 @@ def bad_call(call: dict[str, Any]) -> str | None:
     """What is wrong with a call's fields (FIELDS), or None: a worker gets
     only a known op, one real target PID and well-typed arguments."""
     if call.get("op") not in OPS or type(call.get("pid")) is not int \
-            or not 0 < call["pid"] <= PID_MAX:
+            or not 0 < call["pid"] <= PID_MAX_LIMIT:
         return "a call names one op and one target pid"
     timeout = call.get("timeout_ms", 0)
     if type(timeout) is not int or not 0 <= timeout <= LOCK_TIMEOUT_MAX_MS:
@@ -513,7 +514,7 @@ class Agent:
         lock = lock_file(state / LOCKFILE, wait=False)
         if lock is None:
             print("cudahook-agent: another agent is running on this node")
-            return 3
+            return EXIT_ANOTHER_AGENT
         path = socket_path(self.settings)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

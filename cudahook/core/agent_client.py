@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 SOCKET = "agent.sock"
 PIDFILE = "agent.pid"
 LOCKFILE = "agent.lock"
+# The agent's exit status when another agent holds LOCKFILE: the unit must not
+# restart on it, or systemd retries forever beside an agent a hook started.
+EXIT_ANOTHER_AGENT = 3
 # The calls a worker serves, and the fields of a call passed on to it.
 OPS = ("get-state", "get-restore-tid", "lock", "checkpoint", "restore", "unlock")
 FIELDS = ("op", "pid", "timeout_ms", "pairs")
