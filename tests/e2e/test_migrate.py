@@ -35,6 +35,7 @@ import yaml
 
 from cudahook.admin import hookfiles
 from cudahook.admin.configure import plan as registration
+from cudahook.core import manifest
 from cudahook.platform import paths
 from cudahook.platform.errors import Exit
 from cudahook.sim.lab import PKG_PARENT, SimLab
@@ -421,12 +422,23 @@ def sh(*argv: str, cwd: Path | None = None) -> None:
     assert r.returncode == 0, (argv, r.stdout, r.stderr)
 
 
-def test_runc_recipe_moves_the_container(make_env: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("gpu_memory", ["host", "storage"])
+def test_runc_recipe_moves_the_container(make_env: Any, tmp_path: Path, gpu_memory: str) -> None:
     """README's runc recipe: runc checkpoint, tar + sha256sum, copy, check,
-    unpack, runc restore with node B's bundle naming node B's GPU."""
+    unpack, runc restore with node B's bundle naming node B's GPU. On the
+    storage path the tar carries cudahook-gpu/, and the memory comes back
+    intact through the device map."""
+    from .test_gpu_storage_e2e import configure
+
     a = make_env(seed="node-a")
     b = make_env(seed="node-b")
-    workloads = [("solo", {"mib": 4}), ("mp", {"mib": 2, "procs": 2})]
+    check = gpu_memory == "storage"
+    if check:
+        for env in (a, b):
+            env.lab.set(cuda_version=13040)
+            configure(env, gpu_memory)
+    workloads = [("solo", {"mib": 4, "check_after_restore": check}),
+                 ("mp", {"mib": 2, "procs": 2, "check_after_restore": check})]
     tags = ["solo", "mp.0", "mp.1"]
     cid = f"gpu-{uuid.uuid4().hex[:8]}"
     r = a.box.run(cid, a.box.bundle("b1", workloads, others=OTHERS, visible=a.lab.uuids[:1]))
@@ -436,6 +448,8 @@ def test_runc_recipe_moves_the_container(make_env: Any, tmp_path: Path) -> None:
     r = a.box.checkpoint(cid, image)
     assert r.returncode == 0, r.stderr
     frozen = a.frozen(cid, tags)
+    m = manifest.read(image)
+    assert m is not None and (m.gpu_storage is not None) == check
     # node A: pack and sum; the copy; node B: check and unpack
     sh("tar", "-C", str(image), "-czf", str(tmp_path / "ckpt.tar.gz"), ".")
     sh("sh", "-c", "sha256sum ckpt.tar.gz > ckpt.tar.gz.sha256", cwd=tmp_path)
@@ -454,6 +468,7 @@ def test_runc_recipe_moves_the_container(make_env: Any, tmp_path: Path) -> None:
     for t in tags:
         st = b.lab.wait_counter(t, frozen[t] + 11, timeout=30)
         assert st["intact"] and st["errors"] == [] and st["gpu"] == b.lab.uuids[0], st
+        assert st.get("checked_restores", 0) >= int(check), st
     (restore,) = b.events("restore")
     assert restore["device_map"] == {a.lab.uuids[0]: b.lab.uuids[0]}
     assert a.events("restore") == []
@@ -522,8 +537,6 @@ def test_storage_path_archive_carries_the_chunks(nodes: Any, tmp_path: Path, cap
     it would), is refused by the chunk's digest before podman creates
     anything; the intact archive restores onto node B's GPU, intact."""
     import tarfile
-
-    from cudahook.core import manifest
 
     from .test_storage_runtimes import split_sizes, with_flipped_chunk
 

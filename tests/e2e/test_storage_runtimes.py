@@ -130,7 +130,10 @@ def test_containerd_ctr_storage_path(node: Node, image: Path, tmp_path: Path,  #
     from the chunks once containerd resumes the task (containerd has
     removed CRIU's image directory by then: the chunks must outlive it);
     the checkpoint in the content store holds the chunks, and a restore
-    from it comes back intact."""
+    from it comes back intact. (ctr restores the spec stored in the
+    checkpoint, so it cannot name other GPUs, and `ctr images export`
+    refuses a checkpoint image: docker, podman through migrate, and runc
+    move a checkpoint.)"""
     spec = gpu_spec(node.lab, "cs", WORKLOADS)
     tags, cid, ref = spec.tags, f"gpu-{uuid.uuid4().hex[:8]}", "cudahook/storage:1"
     with gpu_memory(node, "storage"), \
