@@ -118,10 +118,13 @@ def content_checkpoint(c: Containerd, ref: str) -> list[tuple[str, int]]:
         return [(m.name, m.size) for m in t.getmembers() if m.isfile()]
 
 
-def nothing_kept(*dirs: Path) -> None:
-    """The chunks' hard links pre-dump kept for the guardian are gone."""
-    left = [p for d in dirs for p in d.rglob(f"*{KEPT_INFIX}*")]
-    assert not left, left
+def nothing_kept(*dirs: Path, timeout: float = 10) -> None:
+    """The chunks' hard links pre-dump kept for the guardian are gone (it
+    removes them as it exits, after its last event)."""
+    deadline = time.monotonic() + timeout
+    while left := [p for d in dirs for p in d.rglob(f"*{KEPT_INFIX}*")]:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.05)
 
 
 def test_containerd_ctr_storage_path(node: Node, image: Path, tmp_path: Path,  # noqa: F811
