@@ -259,12 +259,23 @@ def sha256(path: Path) -> str:
 
 def test_podman_storage_export_and_a_flipped_chunk(node: Node, podman: Podman,  # noqa: F811
                                                    tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    """podman `checkpoint --export` carries cudahook-gpu/; an export with one
-    byte changed in a chunk is refused at restore before the tasks run,
-    the archive unchanged; the intact export restores as a copy."""
+    """podman `checkpoint --export` carries cudahook-gpu/ (with
+    --leave-running the guardian brings the workloads back from its kept
+    chunks); an export with one byte changed in a chunk is refused at
+    restore before the tasks run, the archive unchanged; the intact export
+    restores as a copy."""
     with gpu_memory(node, "storage"):
         name, tags = gpu_container(podman, node.lab, "ps", workloads=WORKLOADS)
         node.wait_running(tags, steps=3)
+        # --leave-running --export: the guardian restores the running
+        # workloads from the chunks, as podman exports the image.
+        cid = podman.inspect(name)["Id"]
+        podman("container", "checkpoint", "--leave-running", "--export",
+               str(tmp_path / "live.tar"), "--compress", "none", name)
+        after = node.counters(tags)
+        node.wait_event(cid, "guardian", lambda e: "resumed" in e.get("outcome", ""))
+        node.wait_running(tags, after)
+        nothing_kept(node.state_dir, Path(podman.inspect(name)["OCIConfigPath"]).parent)
         tree = process_tree(podman.pid(name))
         archive = tmp_path / "ckpt.tar"
         podman("container", "checkpoint", "--export", str(archive), "--compress", "none", name)
