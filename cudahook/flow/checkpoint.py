@@ -506,9 +506,9 @@ def _keep(cp: Checkpoint) -> None:
         except OSError as exc:
             errors.append(f"{parent}: {exc.strerror or exc}")
             continue
-        # Named before it fills: the guardian removes whatever was made.
-        cp.run.note(guardian.KEPT, str(keep))
         try:
+            # Named before it fills: the guardian removes whatever was made.
+            cp.run.note(guardian.KEPT, str(keep))
             dirs = {}
             for pid, d in cp.storage.items():
                 src = Path(_real(d))
