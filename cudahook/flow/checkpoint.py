@@ -499,10 +499,12 @@ def _keep(cp: Checkpoint) -> None:
     assert cp.image_dir is not None
     image = Path(_real(str(cp.image_dir)))
     errors = []
-    for parent in (image.parent, cp.run.path.parent):
+    # Beside the run's record it is named after the run, so that the
+    # state directory's pruning of gone runs' files takes it too.
+    for parent, name in ((image.parent, f".{image.name}"), (cp.run.path.parent,
+                                                             cp.run.path.stem)):
         try:
-            keep = Path(tempfile.mkdtemp(prefix=f".{image.name}{guardian.KEPT_INFIX}",
-                                         dir=parent))
+            keep = Path(tempfile.mkdtemp(prefix=name + guardian.KEPT_INFIX, dir=parent))
         except OSError as exc:
             errors.append(f"{parent}: {exc.strerror or exc}")
             continue
