@@ -315,3 +315,32 @@ def test_a_dump_that_fails_after_pre_dump_is_mended_from_storage(make_node: Any,
     assert "error" not in g and sorted(g["pids"]) == pids, g
     assert [state(node, p) for p in pids] == ["running"] * 2
     healthy(node, restored=True)
+
+
+def test_a_runtime_that_removes_the_image_early_is_mended_from_the_kept_chunks(
+        make_node: Any, tmp_path: Path) -> None:
+    """containerd's task service removes CRIU's image directory (copied into
+    its content store) before the task runs again: the guardian restores
+    from the hard links pre-dump kept, and removes them when done."""
+    import shutil
+
+    from cudahook.flow.guardian import KEPT_INFIX
+
+    node = storage_node(make_node)
+    _, image, _, pids, dump = checkpointed(node, tmp_path)
+    shutil.rmtree(image)
+    assert [p.name for p in tmp_path.iterdir() if KEPT_INFIX in p.name]
+    dump.end()
+    deadline = time.monotonic() + 30
+    while not events(node, "guardian"):
+        assert time.monotonic() < deadline, events(node)
+        time.sleep(0.05)
+    g = events(node, "guardian")[0]
+    assert "error" not in g and sorted(g["pids"]) == pids, g
+    assert [state(node, p) for p in pids] == ["running"] * 2
+    healthy(node, restored=True)
+    deadline = time.monotonic() + 10
+    while [p for root in (tmp_path, Path(node.settings().state_dir))
+           for p in root.rglob(f"*{KEPT_INFIX}*")]:
+        assert time.monotonic() < deadline, "the kept chunks outlived the guardian"
+        time.sleep(0.05)

@@ -24,7 +24,13 @@ import pytest
 
 from cudahook.admin import migrate
 from cudahook.admin.cli import main
-from cudahook.core.manifest import FileSum, Manifest
+from cudahook.core.manifest import (
+    FileSum,
+    GpuStorage,
+    Manifest,
+    StorageRange,
+    StoredProcess,
+)
 from cudahook.platform.errors import Exit, NotRestorableHere, UsageError
 
 
@@ -751,6 +757,30 @@ def test_exit_codes_one_table__a_changed_or_missing_image_file_is_6(tmp_path: Pa
     assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE
     with pytest.raises(NotRestorableHere) as exc:
         migrate.verify_files(Manifest((), files={"other.state": good}), found.hashed)
+    assert exc.value.reason == "IMAGE_FILE_MISSING"
+
+
+def test_exit_codes_one_table__a_changed_or_missing_chunk_is_6(tmp_path: Path) -> None:
+    """GPU memory in storage: every chunk and the per-process manifest the
+    archive holds, against the manifest's digests, before podman runs."""
+    def sha(b: bytes) -> str:
+        return hashlib.sha256(b).hexdigest()
+
+    chunks, meta = [b"a" * 16, b"b" * 16, b"c" * 8], b'{"chunks": 3}'
+    files = {f"checkpoint/cudahook-gpu/7/gpu0-{k:06d}.chunk": c for k, c in enumerate(chunks)}
+    stored = GpuStorage("cudahook-gpu", (StoredProcess(
+        7, 16, sha(meta), len(meta), (StorageRange(40, tuple(sha(c) for c in chunks)),)),))
+    m = Manifest((), gpu_storage=stored)
+    whole = {**MEMBERS, "checkpoint/cudahook-gpu/7/manifest.json": meta, **files}
+    migrate.verify_files(m, migrate.scan(archive(tmp_path, whole)).hashed)
+    changed = {**whole, "checkpoint/cudahook-gpu/7/gpu0-000001.chunk": b"b" * 15 + b"B"}
+    with pytest.raises(NotRestorableHere) as exc:
+        migrate.verify_files(m, migrate.scan(archive(tmp_path, changed)).hashed)
+    assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE
+    assert "gpu0-000001.chunk" in str(exc.value)
+    missing = {k: v for k, v in whole.items() if not k.endswith("gpu0-000002.chunk")}
+    with pytest.raises(NotRestorableHere) as exc:
+        migrate.verify_files(m, migrate.scan(archive(tmp_path, missing)).hashed)
     assert exc.value.reason == "IMAGE_FILE_MISSING"
 
 

@@ -423,15 +423,21 @@ def _manifest(small: dict[str, bytes]) -> Manifest | None:
 
 
 def verify_files(m: Manifest, hashed: dict[str, tuple[str, int]]) -> None:
-    """cudahook's own files the manifest names, as the archive holds them:
-    exit 6 when one is missing or changed (IMAGE_FILE_MISSING,
-    IMAGE_CHECKSUM), as `cudahook check --image` says."""
-    for name, want in sorted(m.files.items()):
+    """cudahook's own files the manifest names, as the archive holds them,
+    and every chunk of GPU memory in storage with its per-process manifest
+    (the scan hashed them on the way): exit 6 when one is missing or
+    changed (IMAGE_FILE_MISSING, IMAGE_CHECKSUM), as `cudahook check
+    --image` says - before podman creates anything, rather than at
+    post-restore."""
+    from cudahook.core import manifest
+
+    wanted = [(name, want.size, want.sha256) for name, want in sorted(m.files.items())]
+    for name, size, sha256 in wanted + manifest.storage_files(m):
         got = hashed.get(f"checkpoint/{name}")
         if got is None:
             raise NotRestorableHere(f"{ar.show(name)}: missing from the archive's image",
                                     reason="IMAGE_FILE_MISSING")
-        if got != (want.sha256, want.size):
+        if got != (sha256, size):
             raise NotRestorableHere(f"{ar.show(name)}: sha256 or size differs from the "
                                     "manifest's", reason="IMAGE_CHECKSUM")
 

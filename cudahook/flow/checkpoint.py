@@ -12,6 +12,7 @@
                      undo: restore all
       _no_nvml_left  NVML handles CRIU cannot dump
       _record        the manifest; undo: remove it
+      _keep          storage: the chunks hard-linked for the guardian
       _hand_over     CRIU dumps the processes, now without GPU state
 
 Every step that changes something pushes its undo on one stack (undo.py);
@@ -155,6 +156,7 @@ def _checkpoint(cp: Checkpoint) -> int:
     if failed is not None:
         return failed
     _record(cp, gpus, models, result)
+    _keep(cp)
     _hand_over(cp, gpus, models, result, vmm_prepare_s)
     return Exit.OK
 
@@ -475,6 +477,58 @@ def _record(cp: Checkpoint, gpus: list[str], models: dict[str, Any], result: Any
             raise EnvironmentProblem(f"pre-dump: cannot record the checkpoint: {exc}") from exc
         raise PhaseError("checkpoint", [f"cannot record the checkpoint: {exc}", *undone],
                          safe=False) from exc
+
+
+def _keep(cp: Checkpoint) -> None:
+    """Storage only. Hazard: containerd's task service (and docker, through
+    it) has CRIU dump into a temporary directory, copies that into its
+    content store and removes it before it resumes the paused task: after
+    a --leave-running dump, or a failed one, the guardian would find no
+    chunks to bring the GPU memory back from, and the workload would stay
+    off its GPU. Hard links made now outlive that removal and copy nothing:
+    beside the image directory (its file system), else beside the run's
+    record. The guardian restores from them and removes them. Where neither
+    can be made the checkpoint goes on and says so: only a runtime that
+    removes the image early needs them, and the image itself is whole."""
+    if not cp.storage:
+        return
+    import os
+    import shutil
+    import tempfile
+
+    assert cp.image_dir is not None
+    image = Path(_real(str(cp.image_dir)))
+    errors = []
+    # Beside the run's record it is named after the run, so that the
+    # state directory's pruning of gone runs' files takes it too.
+    for parent, name in ((image.parent, f".{image.name}"), (cp.run.path.parent,
+                                                             cp.run.path.stem)):
+        try:
+            keep = Path(tempfile.mkdtemp(prefix=name + guardian.KEPT_INFIX, dir=parent))
+        except OSError as exc:
+            errors.append(f"{parent}: {exc.strerror or exc}")
+            continue
+        try:
+            # Named before it fills: the guardian removes whatever was made.
+            cp.run.note(guardian.KEPT, str(keep))
+            dirs = {}
+            for pid, d in cp.storage.items():
+                src = Path(_real(d))
+                (keep / src.name).mkdir(mode=0o700)
+                for name in os.listdir(src):
+                    os.link(src / name, keep / src.name / name, follow_symlinks=False)
+                dirs[str(pid)] = str(keep / src.name)
+        except OSError as exc:
+            shutil.rmtree(keep, ignore_errors=True)
+            cp.run.note(guardian.KEPT, None)
+            errors.append(f"{parent}: {exc.strerror or exc}")
+            continue
+        cp.run.note("gpu_storage", dirs)
+        return
+    cp.ctx.log("pre-dump", container=cp.cid, warning="the GPU memory's chunks could not be "
+               "kept for the guardian (" + "; ".join(errors) + "): a runtime that removes the "
+               "image directory before the tasks run again leaves them off their GPU after a "
+               "--leave-running or failed dump")
 
 
 def _stored(cp: Checkpoint) -> manifest.GpuStorage:

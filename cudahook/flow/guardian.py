@@ -57,6 +57,11 @@ MAX_WAIT_S = 6 * 3600
 POLL_S = 0.1
 # Where the VMM prepare state is kept for the guardian, next to the run's record.
 VMM_SUFFIX = ".vmm-undo"
+# The run's record names (under KEPT) the directory of hard links to the GPU
+# memory's chunks pre-dump made for us (flow/checkpoint.py _keep); its name
+# holds KEPT_INFIX.
+KEPT = "gpu_storage_kept"
+KEPT_INFIX = ".cudahook-gpu-kept."
 
 
 def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int | None]],
@@ -312,8 +317,23 @@ def main(arg: str) -> int:
     try:
         return _guard(args, cid)
     finally:
+        _drop_kept(args)
         if key:
             _unmark(args, key)
+
+
+def _drop_kept(args: dict[str, Any]) -> None:
+    """Remove the chunks' hard links pre-dump kept for us: the image holds
+    the same files, and the run is over."""
+    import shutil
+    from pathlib import Path
+
+    from cudahook.platform.store import read_json
+
+    data = read_json(Path(args["run"])) if args.get("run") else None
+    kept = data.get(KEPT) if isinstance(data, dict) else None
+    if isinstance(kept, str) and KEPT_INFIX in Path(kept).name:
+        shutil.rmtree(kept, ignore_errors=True)
 
 
 def _unmark(args: dict[str, Any], key: str) -> None:
