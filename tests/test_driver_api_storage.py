@@ -87,8 +87,8 @@ def test_features_and_doctor_say_which_gpu_memory_path(make_node, tmp_path, cuda
 # -- the custom-storage path in the helper ------------------------------------
 
 
-def storage_api(node):  # type: ignore[no-untyped-def]
-    backend = make_backend(node.lab.settings(backend="driver-api"), Host())
+def storage_api(node, **settings):  # type: ignore[no-untyped-def]
+    backend = make_backend(node.lab.settings(backend="driver-api", **settings), Host())
     assert isinstance(backend, DriverAPI)
     return backend
 
@@ -100,17 +100,19 @@ def state_of(node, pid: int) -> str:  # type: ignore[no-untyped-def]
                           capture_output=True, text=True).stdout.strip()
 
 
-def checkpointed_to_storage(node, tmp_path, mib: int = 4):  # type: ignore[no-untyped-def]
+def checkpointed_to_storage(node, tmp_path, mib: int = 4, content: str = "random",
+                            **settings):  # type: ignore[no-untyped-def]
     """A workload checkpointed through custom storage in 1 MiB chunks: its pid,
-    the image directory and the backend."""
-    node.spawn("w", mib=mib, check_after_restore=True)
+    the image directory and the backend. Random content by default: no two
+    chunks alike, nothing to compress."""
+    node.spawn("w", mib=mib, check_after_restore=True, content=content)
     pid = node.lab.wait_counter("w", 2)["pid"]
-    api = storage_api(node)
+    api = storage_api(node, **settings)
     api.lock(pid, 0)
     image = tmp_path / "image" / f"gpu-memory-{pid}"
     image.parent.mkdir()
     done = api.checkpoint_to_storage(pid, str(image), chunk=1 << 20)
-    assert done == {"ranges": 1, "bytes": (mib << 20) + 8}
+    assert (done["ranges"], done["bytes"], done["digest"]) == (1, (mib << 20) + 8, "blake3")
     return pid, image, api
 
 
@@ -138,7 +140,8 @@ def test_checkpoint_and_restore_through_custom_storage(make_node, tmp_path) -> N
         assert names == ["gpu0-000000.chunk", "gpu0-000001.chunk", "gpu0-000002.chunk",
                          "gpu0-000003.chunk", "gpu0-000004.chunk", "manifest.json"]
         manifest = json.loads((image / "manifest.json").read_text())
-        assert manifest["digest"] == "sha256" and len(manifest["ranges"][0]["chunks"]) == 5
+        assert manifest["digest"] == "blake3" and len(manifest["ranges"][0]["chunks"]) == 5
+        assert "zstd" not in manifest["ranges"][0]  # compression is off by default
         api.restore_from_storage(pid, str(image))
         assert state_of(node, pid) == "locked"
         api.unlock(pid)
@@ -259,4 +262,104 @@ def test_a_storage_checkpoint_that_fails_before_completion_puts_the_memory_back(
         api.close()
     if state == "locked":
         st = healthy_after_restore(node, "w")
+        assert st["intact"] and not st["errors"]
+
+
+# -- dedupe and compression ----------------------------------------------------
+
+
+def _inodes(image) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {p.name: p.stat().st_ino for p in image.iterdir() if p.name.endswith(".chunk")}
+
+
+def test_identical_chunks_are_stored_once_and_compressed_and_restore_intact(
+        make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The workload's buffer repeats one block: its four full chunks are one
+    file (links), stored compressed; the digest is of the raw bytes, and the
+    restore decompresses and verifies every chunk on its way in."""
+    node = storage_node(make_node)
+    pid, image, api = checkpointed_to_storage(node, tmp_path, content="pattern",
+                                              gpu_storage_compression="zstd")
+    try:
+        inodes = _inodes(image)
+        assert len(set(inodes.values())) == 2  # four identical chunks, and the tail
+        assert len({inodes[f"gpu0-00000{k}.chunk"] for k in range(4)}) == 1
+        rng = json.loads((image / "manifest.json").read_text())["ranges"][0]
+        assert all(0 < z < 1 << 20 for z in rng["zstd"][:4])
+        assert (image / "gpu0-000000.chunk").stat().st_size == rng["zstd"][0]
+        import blake3
+
+        assert rng["chunks"][0] == blake3.blake3(
+            node_pattern(node, "w")[:1 << 20]).hexdigest()  # of the raw bytes
+        api.restore_from_storage(pid, str(image))
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w")
+    assert st["intact"] and not st["errors"]
+
+
+def node_pattern(node, tag: str) -> bytes:  # type: ignore[no-untyped-def]
+    from cudahook.sim.protocol import pattern
+
+    return pattern(1, node.lab.status(tag)["mib"] << 20)
+
+
+def test_chunks_that_do_not_shrink_are_stored_raw(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node)
+    pid, image, api = checkpointed_to_storage(node, tmp_path, content="random",
+                                              gpu_storage_compression="zstd")
+    try:
+        rng = json.loads((image / "manifest.json").read_text())["ranges"][0]
+        assert "zstd" not in rng  # none shrank: all raw, as with compression off
+        assert (image / "gpu0-000000.chunk").stat().st_size == 1 << 20
+        api.restore_from_storage(pid, str(image))
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w")
+    assert st["intact"] and not st["errors"]
+
+
+def test_a_failed_process_never_takes_a_chunk_another_process_shares(
+        make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two processes of one checkpoint hold the same weights: the second links
+    the first's chunks. When the second one's checkpoint fails and is put
+    back, its files go, and the first one's chunks (the same inodes) stay and
+    restore intact."""
+    import re
+
+    from cudahook.platform.errors import ToolError
+
+    node = storage_node(make_node)
+    node.spawn("w", mib=4, procs=2, same_weights=True, content="random",
+               check_after_restore=True)
+    a = node.lab.wait_counter("w.0", 2)["pid"]
+    b = node.lab.wait_counter("w.1", 2)["pid"]
+    api = storage_api(node, gpu_storage_compression="zstd")
+    root = tmp_path / "image"
+    root.mkdir()
+    try:
+        api.lock(a, 0)
+        api.lock(b, 0)
+        done = api.checkpoint_to_storage(a, str(root / "1"), chunk=1 << 20)
+        assert done["linked"] == 0
+        node.lab.fault("checkpoint-complete", "error", code=999, times=1)
+        with pytest.raises(ToolError, match=re.escape("its GPU memory was put back")):
+            api.checkpoint_to_storage(b, str(root / "2"), chunk=1 << 20)
+        assert not (root / "2").exists()
+        # The index keeps only what a process still links: a's chunks.
+        assert all(p.stat().st_nlink == 2 for p in (root / "by-digest").iterdir())
+        # Now b again: every full chunk is a's.
+        done = api.checkpoint_to_storage(b, str(root / "2"), chunk=1 << 20)
+        assert done["linked"] == 4 and done["stored"] < 1 << 20
+        assert {k: v for k, v in _inodes(root / "2").items() if k != "gpu0-000004.chunk"} == \
+            {k: v for k, v in _inodes(root / "1").items() if k != "gpu0-000004.chunk"}
+        for pid, sub in ((a, "1"), (b, "2")):
+            api.restore_from_storage(pid, str(root / sub))
+            api.unlock(pid)
+    finally:
+        api.close()
+    for tag in ("w.0", "w.1"):
+        st = healthy_after_restore(node, tag)
         assert st["intact"] and not st["errors"]
