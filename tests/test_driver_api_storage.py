@@ -363,3 +363,53 @@ def test_a_failed_process_never_takes_a_chunk_another_process_shares(
     for tag in ("w.0", "w.1"):
         st = healthy_after_restore(node, tag)
         assert st["intact"] and not st["errors"]
+
+
+@pytest.mark.parametrize("case", ["bomb", "unsized-bomb", "short", "not-zstd", "two-frames",
+                                  "oversized", "symlink", "fifo", "missing"])
+def test_outside_files_read_safely__custom_storage_chunk(tmp_path, case: str) -> None:  # type: ignore[no-untyped-def]
+    """One compressed chunk as the image supplies it: never more than its raw
+    size comes out, a link or special file is never opened, and each bad
+    case is one refusal (Mismatch: the chunk is not what its digest says)."""
+    import os
+
+    import blake3
+    import zstandard
+
+    from cudahook.core.backends import driver_helper as helper
+
+    raw = bytes(range(256)) * 16 * 4  # 16 KiB
+    z = zstandard.ZstdCompressor(level=3)
+    frame = {
+        "bomb": z.compress(raw * 4096),  # 64 MiB out of a few hundred bytes
+        "unsized-bomb": zstandard.ZstdCompressor(write_content_size=False).compress(raw * 64),
+        "short": z.compress(raw[:-1]),
+        "not-zstd": b"\x00" * 64,
+        "two-frames": z.compress(raw) + z.compress(raw),
+        "oversized": z.compress(raw) + b"\x00",
+    }.get(case, z.compress(raw))
+    path = tmp_path / "gpu0-000000.chunk"
+    if case == "symlink":
+        (tmp_path / "real").write_bytes(frame)
+        path.symlink_to(tmp_path / "real")
+    elif case == "fifo":
+        os.mkfifo(path)
+    elif case != "missing":
+        path.write_bytes(frame)
+    stored = len(frame) - (1 if case == "oversized" else 0)  # the manifest's size
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(helper.Refused) as exc:
+            helper.read_chunk(fd, path.name, len(raw), stored, "blake3",
+                              blake3.blake3(raw).hexdigest(), None)
+        assert path.name in str(exc.value) and "\n" not in str(exc.value)
+        if case in ("bomb", "unsized-bomb", "short", "not-zstd", "two-frames"):
+            assert isinstance(exc.value, helper.Mismatch)
+        # The good frame reads.
+        if path.is_symlink() or case in ("fifo", "missing"):
+            path.unlink(missing_ok=True)
+        path.write_bytes(z.compress(raw))
+        helper.read_chunk(fd, path.name, len(raw), len(z.compress(raw)), "blake3",
+                          blake3.blake3(raw).hexdigest(), None)
+    finally:
+        os.close(fd)

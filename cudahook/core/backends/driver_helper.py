@@ -220,6 +220,14 @@ class Refused(Exception):
     """A custom-storage image that is not what its manifest says."""
 
 
+class Missing(Refused):
+    """A file of the image is not there."""
+
+
+class Mismatch(Refused):
+    """A chunk's content does not match its digest."""
+
+
 class Storage:
     """CUDA 13.4 custom storage: a process's GPU memory straight into files.
 
@@ -279,7 +287,7 @@ class Storage:
         out = _Out(dirfd, _new_digest(), zstd)
         try:
             if dedupe:
-                out.index = _index(directory)
+                out.open_index(directory)
             if zstd:  # loaded now: past the driver's call, a failure costs a put-back
                 _needs("zstandard", "compression")
             info = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
@@ -482,25 +490,54 @@ def _remove_own(dirfd: int, directory: str, index: int | None = None) -> None:
 # link does: removing one process's files never removes another's chunk.
 INDEX = "by-digest"
 ZSTD = ".zst"  # an index entry of a chunk stored compressed
+# Chunks being written now, by (index device, inode, digest): set when done.
+_claims: dict[tuple[int, int, str], threading.Event] = {}
+_claims_lock = threading.Lock()
 
 
 class _Out:
     """Where one process's chunks go: its directory, the digest, the zstd
     level (0: off) and the checkpoint's index (None: no dedupe)."""
 
-    def __init__(self, dirfd: int, digest: str, zstd: int, index: int | None = None):
-        self.dirfd, self.digest, self.zstd, self.index = dirfd, digest, zstd, index
+    def __init__(self, dirfd: int, digest: str, zstd: int):
+        self.dirfd, self.digest, self.zstd = dirfd, digest, zstd
+        self.index: int | None = None
+        self.index_id = (0, 0)  # the index's device and inode: whose claims
         self.stored = self.linked = 0  # bytes written, chunks linked
+
+    def open_index(self, directory: str) -> None:
+        self.index = _index(directory)
+        st = os.fstat(self.index)
+        self.index_id = (st.st_dev, st.st_ino)
 
     def put(self, name: str, data: memoryview, digest: str) -> int:
         """Store one chunk as `name`: a link to an identical one stored
         already, or a new file, compressed when that makes it smaller, then
         published in the index. Its size as stored when compressed, else 0."""
-        if self.index is not None:
+        if self.index is None:
+            return self._write(name, data, digest)
+        key = (*self.index_id, digest)
+        while True:
             size = self._link(name, digest)
             if size is not None:
                 self.linked += 1
                 return size
+            # Replicas are checkpointed in parallel and reach the same chunk
+            # together: one thread writes it, the others wait and link it.
+            with _claims_lock:
+                other = _claims.get(key)
+                if other is None:
+                    mine = _claims[key] = threading.Event()
+                    break
+            other.wait()  # then link it, or (its writer failed) write it
+        try:
+            return self._write(name, data, digest)
+        finally:
+            with _claims_lock:
+                del _claims[key]
+            mine.set()
+
+    def _write(self, name: str, data: memoryview, digest: str) -> int:
         frame = _compress(self.zstd, data) if self.zstd else None
         _write(self.dirfd, name, data if frame is None else frame)
         self.stored += len(data) if frame is None else len(frame)
@@ -668,11 +705,11 @@ def _decompress(frame: memoryview, into: memoryview) -> None:
                 break
             done += got
         more = reader.read(1)
-    except zstd.ZstdError as exc:
-        raise Refused(f"not a zstd frame of {n} bytes ({exc})") from exc
+    except zstd.ZstdError as exc:  # a damaged chunk, as a flipped bit in a raw one is
+        raise Mismatch(f"not a zstd frame of {n} bytes ({exc})") from exc
     if done != n or more:
-        raise Refused(f"its zstd frame does not hold {n} bytes "
-                      f"({'more' if more else done})")
+        raise Mismatch(f"its zstd frame does not hold {n} bytes "
+                       f"({'more' if more else done})")
 
 
 def _zstd(rng: dict, k: int) -> int:
@@ -709,6 +746,8 @@ def _open_regular(dirfd: int, name: str, size: int | None, cap: int) -> int:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      dir_fd=dirfd)
+    except FileNotFoundError as exc:
+        raise Missing(f"{name}: {exc.strerror}") from exc
     except OSError as exc:
         raise Refused(f"{name}: {exc.strerror}") from exc
     st = os.fstat(fd)
@@ -742,9 +781,9 @@ def read_chunk(dirfd: int, name: str, size: int, zstd: int, kind: str, digest: s
         try:
             _decompress(raw, out)
         except Refused as exc:
-            raise Refused(f"{name}: {exc}") from exc
+            raise type(exc)(f"{name}: {exc}") from exc
     if _hash(kind, out) != digest:
-        raise Refused(f"{name}: content does not match its digest in the manifest")
+        raise Mismatch(f"{name}: content does not match its digest in the manifest")
 
 
 def _manifest(dirfd: int) -> dict:
