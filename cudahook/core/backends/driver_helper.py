@@ -686,10 +686,19 @@ def _compress(level: int, data: memoryview) -> bytes | None:
     is not smaller than the chunk: such a chunk is stored raw."""
     zstd = _extension("zstandard")
     try:
+        # Random-looking data (most of a model's weights can be) costs a whole
+        # compression for nothing: a fast look at a sample first.
+        if len(data) > 4 * ZSTD_PROBE:
+            probe = zstd.ZstdCompressor(level=1).compress(data[:ZSTD_PROBE])
+            if len(probe) > ZSTD_PROBE * 0.97:
+                return None
         frame = zstd.ZstdCompressor(level=level, write_content_size=True).compress(data)
     except zstd.ZstdError as exc:
         raise Refused(f"zstd: {exc}") from exc
     return frame if len(frame) < len(data) else None
+
+
+ZSTD_PROBE = 128 << 10
 
 
 def _decompress(frame: memoryview, into: memoryview) -> None:
