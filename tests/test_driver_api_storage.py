@@ -5,6 +5,7 @@ GPU-memory path a container gets under `gpu_memory`, and why."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -413,3 +414,33 @@ def test_outside_files_read_safely__custom_storage_chunk(tmp_path, case: str) ->
                           blake3.blake3(raw).hexdigest(), None)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize(("mode", "digest"), [(0o755, "blake3"), (0o777, "sha256"),
+                                              (0o775, "sha256")])
+def test_outside_files_read_safely__helper_imports_only_from_a_trusted_directory(
+        tmp_path, mode: int, digest: str) -> None:  # type: ignore[no-untyped-def]
+    """The helper runs -I -S: blake3 comes only from the directory the parent
+    names, and only if no one but root (or its user) can write there;
+    otherwise a checkpoint falls back to sha256, the standard library's."""
+    import shutil
+    import subprocess
+    import sys
+
+    import blake3
+
+    from cudahook.core.backends import driver_api
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    shutil.copytree(Path(blake3.__file__).parent, lib / "blake3")
+    lib.chmod(mode)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import driver_helper as h; "
+            "h.LIBS[:] = [sys.argv[2]]; print(h._new_digest())")
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code,
+                        str(Path(driver_api.HELPER).parent), str(lib)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == digest
+    # The parent names where its own packages are, without importing them.
+    assert str(Path(blake3.__file__).parent.parent) in driver_api.storage_libs().split(":")
