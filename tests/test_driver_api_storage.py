@@ -444,3 +444,18 @@ def test_outside_files_read_safely__helper_imports_only_from_a_trusted_directory
     assert r.stdout.strip() == digest
     # The parent names where its own packages are, without importing them.
     assert str(Path(blake3.__file__).parent.parent) in driver_api.storage_libs().split(":")
+
+
+def test_with_dedupe_off_every_chunk_is_a_file_of_its_own(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node)
+    pid, image, api = checkpointed_to_storage(node, tmp_path, content="pattern",
+                                              gpu_storage_dedupe=False)
+    try:
+        assert len(set(_inodes(image).values())) == 5  # four alike, yet five files
+        assert not (tmp_path / "image" / "by-digest").exists()
+        api.restore_from_storage(pid, str(image))
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w")
+    assert st["intact"] and not st["errors"]

@@ -472,12 +472,12 @@ class DriverAPI:
                             f"custom storage unavailable: {features.custom_storage_why}")
 
     def checkpoint_to_storage(self, pid: int, directory: str, chunk: int = STORAGE_CHUNK,
-                              dedupe: bool = True) -> dict:
+                              dedupe: bool | None = None) -> dict:
         """Checkpoint a locked process's GPU memory into `directory` (new; CUDA
         13.4+ custom storage) instead of its host memory: chunks, each with a
         digest, fsynced before the driver releases the memory; a chunk that
         another process of the checkpoint stored already is linked to it
-        (`dedupe`), and with `gpu_storage_compression: zstd` one that shrinks
+        (`dedupe`, by default `gpu_storage_dedupe`), and with `gpu_storage_compression: zstd` one that shrinks
         is stored compressed. The process ends checkpointed; after a failure
         past the driver's checkpoint call it stays checkpointing (the API has
         no abort)."""
@@ -485,7 +485,8 @@ class DriverAPI:
         zstd = self.settings.gpu_storage_zstd_level \
             if self.settings.gpu_storage_compression == "zstd" else 0
         return self._call(pid, "storage-checkpoint", {  # type: ignore[return-value]
-            "dir": directory, "chunk": chunk, "zstd": zstd, "dedupe": dedupe})
+            "dir": directory, "chunk": chunk, "zstd": zstd,
+            "dedupe": self.settings.gpu_storage_dedupe if dedupe is None else dedupe})
 
     def restore_from_storage(self, pid: int, directory: str,
                              device_map: dict[str, str] | None = None) -> None:
