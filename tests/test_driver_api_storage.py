@@ -416,7 +416,7 @@ def test_outside_files_read_safely__custom_storage_chunk(tmp_path, case: str) ->
         os.close(fd)
 
 
-@pytest.mark.parametrize(("mode", "digest"), [(0o755, "blake3"), (0o777, "sha256"),
+@pytest.mark.parametrize(("mode", "digest"), [(0o755, "blake3"), (0o777, "sha256"), (0o1777, "sha256"),
                                               (0o775, "sha256")])
 def test_outside_files_read_safely__helper_imports_only_from_a_trusted_directory(
         tmp_path, mode: int, digest: str) -> None:  # type: ignore[no-untyped-def]

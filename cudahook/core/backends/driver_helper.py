@@ -619,20 +619,24 @@ def _extension(name: str) -> Any:
 
 
 def _trusted_dir(path: str) -> bool:
+    """Whether only root (or this user) can change what `path` holds: it is
+    theirs and writable by no one else, and so is every directory above it
+    (one above may be sticky, as /tmp is: others cannot rename our entries)."""
     if not os.path.isabs(path):
         return False
+    leaf = True
     while True:
         try:
             st = os.stat(path)
         except OSError:
             return False
-        if st.st_uid not in (0, os.geteuid()) or not stat.S_ISDIR(st.st_mode) \
-                or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        shared = st.st_mode & 0o022 and (leaf or not st.st_mode & stat.S_ISVTX)
+        if st.st_uid not in (0, os.geteuid()) or not stat.S_ISDIR(st.st_mode) or shared:
             return False
         parent = os.path.dirname(path)
         if parent == path:
             return True
-        path = parent
+        path, leaf = parent, False
 
 
 def _needs(name: str, what: str) -> None:
