@@ -542,3 +542,37 @@ def test_the_daemonset_runs_the_agent_after_its_install_in_the_hosts_root() -> N
     mounts = {m["name"]: m["mountPath"] for m in runner["volumeMounts"]}
     assert mounts == {"host": "/host", "pod": "/pod"}
     assert {"name": "pod", "emptyDir": {}} in spec["volumes"]
+
+
+def test_the_agent_serves_the_storage_path_with_blake3_dedupe_and_zstd(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The agent's workers are the helper too: started -I -S like it, they
+    load blake3 and zstandard from the agent's own install directory, and
+    serve a storage checkpoint and restore (two processes, the same
+    weights: their chunks stored once, compressed)."""
+    node = make_node(driver=590)
+    node.lab.set(cuda_version=13040)
+    node.spawn("w0", mib=20, procs=2, same_weights=True)  # a full 16 MiB chunk, and the rest
+    pids = [node.lab.wait_counter(f"w0.{i}", 2)["pid"] for i in range(2)]
+    settings = node.lab.settings(backend="driver-api", gpu_storage_compression="zstd")
+    root = tmp_path / "cudahook-gpu"
+    root.mkdir()
+    storage = {p: str(root / str(p)) for p in pids}
+    with running_agent(settings):
+        for name in ("checkpoint", "restore"):
+            host = Host()
+            backend = make_backend(settings, host)
+            try:
+                result = getattr(Engine(backend, settings, host), name)(pids, storage=storage)
+            finally:
+                backend.close()
+            assert result.ok, result.errors
+            assert (backend.agent_sessions, backend.attaches) == (1, 0)
+            if name == "checkpoint":
+                for p in pids:
+                    m = json.loads((root / str(p) / "manifest.json").read_text())
+                    assert m["digest"] == "blake3" and all(m["ranges"][0]["zstd"])
+                inodes = {(root / str(p) / "gpu0-000000.chunk").stat().st_ino for p in pids}
+                assert len(inodes) == 1  # one file for both processes
+    for i in range(2):
+        st = node.lab.wait_counter(f"w0.{i}", node.lab.status(f"w0.{i}")["counter"] + 5)
+        assert st["intact"] and st["errors"] == [], st

@@ -500,6 +500,71 @@ def test_restore_side_gpu_memory_in_storage(node: Node, tmp_path: Path) -> None:
     expect(cfg, ["--image", str(d)], "IMAGE_FILE_MISSING", rc=6)
 
 
+def packed_image(d: Path, node: Node, chunks: list[bytes], frames: list[bytes | None]) -> Path:
+    """An image of version 3: blake3 digests, chunks stored as the given zstd
+    frames (None: raw), identical chunks hard links to one file, as the
+    storage path writes them. The process's directory."""
+    import hashlib
+    import os
+
+    import blake3
+
+    proc = d / manifest.STORAGE_DIR / "7"
+    proc.mkdir(parents=True)
+    seen: dict[bytes, str] = {}
+    for k, (chunk, frame) in enumerate(zip(chunks, frames, strict=True)):
+        name = f"gpu0-{k:06d}.chunk"
+        if chunk in seen:
+            os.link(proc / seen[chunk], proc / name)
+        else:
+            (proc / name).write_bytes(chunk if frame is None else frame)
+            seen[chunk] = name
+    size = sum(map(len, chunks))
+    rng = {"size": size, "chunks": [blake3.blake3(c).hexdigest() for c in chunks],
+           "zstd": [0 if f is None else len(f) for f in frames]}
+    raw = json.dumps({"format": 2, "digest": "blake3", "chunk": 4096, "ranges": [rng]}).encode()
+    (proc / manifest.STORAGE_MANIFEST).write_bytes(raw)
+    stored = manifest.GpuStorage(dir=manifest.STORAGE_DIR, digest="blake3", processes=(
+        manifest.StoredProcess(nspid=7, chunk=4096, manifest_sha256=hashlib.sha256(raw).hexdigest(),
+                               manifest_size=len(raw), ranges=(manifest.StorageRange(
+                                   size=size, chunks=tuple(rng["chunks"]),
+                                   zstd=tuple(rng["zstd"])),)),))
+    manifest.write(d, {"container_id": "c", "driver_version": node.lab.config["driver_version"],
+                       "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}],
+                       "gpu_storage": stored})
+    return proc
+
+
+def test_restore_side_verifies_compressed_and_shared_chunks(node: Node, tmp_path: Path) -> None:
+    """check --image decompresses each compressed chunk (never past its raw
+    size) and checks the blake3 digest of its raw bytes; a shared chunk is
+    verified under each of its names."""
+    import zstandard
+
+    d = tmp_path / "pimg"
+    d.mkdir()
+    chunks = [bytes(4096), bytes(4096), bytes(range(256)) * 16]
+    z = zstandard.ZstdCompressor(level=3)
+    frames: list[bytes | None] = [z.compress(chunks[0]), z.compress(chunks[0]), None]
+    proc = packed_image(d, node, chunks, frames)
+    m = manifest.read(d)
+    assert m is not None and m.version == manifest.PACKED_VERSION
+    assert (proc / "gpu0-000000.chunk").stat().st_nlink == 2  # stored once
+    node.lab.set(cuda_version=13040)
+    cfg = config(node, backend="driver-api")
+    ok(cfg, "--image", str(d))
+    # A frame of the same length that makes more than the chunk (a bomb), or
+    # other bytes: refused as a checksum problem, nothing allocated past it.
+    bomb = z.compress(bytes(1 << 24))
+    for frame in (bomb[:len(frames[0])].ljust(len(frames[0]), b"\0"),
+                  z.compress(b"\1" * 4096)[:len(frames[0])].ljust(len(frames[0]), b"\0")):
+        (proc / "gpu0-000000.chunk").write_bytes(frame)
+        v = expect(cfg, ["--image", str(d)], "IMAGE_CHECKSUM", rc=6)
+        assert "cudahook-gpu/7/gpu0-000000.chunk" in v["problems"][0]["detail"]
+    (proc / "gpu0-000000.chunk").write_bytes(frames[0])  # type: ignore[arg-type]
+    ok(cfg, "--image", str(d))
+
+
 def test_quick_image_check_samples_the_chunks(node: Node, tmp_path: Path) -> None:
     """--quick reads each process's first and last chunk and a sample of the
     rest; without it, every chunk."""
@@ -527,7 +592,7 @@ def test_quick_image_check_samples_the_chunks(node: Node, tmp_path: Path) -> Non
     m = manifest.read(d)
     assert m is not None
     quick = manifest.storage_files(m, quick=True)
-    names = [n.rsplit("/", 1)[1] for n, _, _ in quick]
+    names = [f.name.rsplit("/", 1)[1] for f in quick]
     assert len(quick) == 1 + 6 and names[0] == manifest.STORAGE_MANIFEST
     assert {"gpu0-000000.chunk", "gpu0-000039.chunk"} <= set(names)
     assert len(manifest.storage_files(m)) == 41

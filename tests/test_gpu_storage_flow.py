@@ -26,7 +26,10 @@ from .test_criu_action import SCRUBBED, events
 
 MIB = 40  # three 16 MiB chunks: 16, 16, 8 MiB (+8 bytes)
 CHUNKS = 3
+# Two processes that hold the same weights (the same seed): their first two
+# chunks are alike, and alike across them, so every image here is deduped.
 TAGS = ("a", "b")
+COMPRESSION = ("off", "zstd")
 
 # Plays CRIU for a dump: pre-dump twice (CRIU 3.19-4.1.1), then lives on
 # until told, as CRIU does while it dumps.
@@ -137,15 +140,24 @@ def test_checkpoint_and_restore_through_storage_in_the_image(make_node: Any,
         assert dump.calls[0][0] == 0, dump.calls
         assert [state(node, p) for p in pids] == ["checkpointed"] * 2
         m = manifest.read(image)
-        assert m is not None and m.version == manifest.STORAGE_VERSION
+        assert m is not None and m.version == manifest.PACKED_VERSION
         assert m.gpu_storage is not None and m.gpu_storage.dir == "cudahook-gpu"
+        assert m.gpu_storage.digest == "blake3"
         assert sorted(p.nspid for p in m.gpu_storage.processes) == pids
+        import blake3
+
         for p in m.gpu_storage.processes:
             assert [r.size for r in p.ranges] == [(MIB << 20) + 8]
             assert len(p.files()) == CHUNKS
-            for name, size, digest in p.files():
-                data = (image / "cudahook-gpu" / str(p.nspid) / name).read_bytes()
-                assert (len(data), hashlib.sha256(data).hexdigest()) == (size, digest)
+            for f in p.files():
+                data = (image / "cudahook-gpu" / str(p.nspid) / f.name).read_bytes()
+                assert (len(data), blake3.blake3(data).hexdigest()) == (f.size, f.digest)
+        # Stored once: the index is gone, the chunks alike are one file.
+        assert sorted(x.name for x in (image / "cudahook-gpu").iterdir()) == \
+            sorted(map(str, pids))
+        inodes = {(image / "cudahook-gpu" / str(p) / f"gpu0-00000{k}.chunk").stat().st_ino
+                  for p in pids for k in range(CHUNKS)}
+        assert len(inodes) == 3  # the two full chunks, and each process's tail
         # The memory is in the image, not in the processes: the GPU let it go.
         assert not any(p["pid"] in pids for g in node.lab.info()["gpus"]
                        for p in g["processes"])
@@ -179,14 +191,17 @@ def test_host_stays_the_default_path(make_node: Any, tmp_path: Path) -> None:
     healthy(node)  # the dump's "CRIU" exited: the guardian brought them back
 
 
-@pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.parametrize(("sequential", "compression"),
+                         [(False, "off"), (True, "off"), (False, "zstd"), (True, "zstd")])
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_a_failed_chunk_at_checkpoint_leaves_the_workload_running_intact(
-        make_node: Any, tmp_path: Path, chunk: int, sequential: bool) -> None:
+        make_node: Any, tmp_path: Path, chunk: int, sequential: bool, compression: str) -> None:
     """`sequential`: the first process is wholly in storage when the second
-    fails, and comes back from there."""
+    fails, and comes back from there; the second links the first's chunks
+    (the same weights), and its put-back removes none of them."""
     node = storage_node(make_node)
-    script = install(tmp_path, node, sequential=sequential)
+    script = install(tmp_path, node, sequential=sequential,
+                     gpu_storage_compression=compression)
     image = tmp_path / "img"
     image.mkdir()
     init, pids = workloads(node)
@@ -231,8 +246,9 @@ def test_storage_asked_for_without_the_driver_is_refused_untouched(make_node: An
     assert all(node.lab.status(t)["counter"] > counters[t] for t in TAGS)
 
 
-def checkpointed(node: Node, tmp_path: Path) -> tuple[Path, Path, int, list[int], Dump]:
-    script = install(tmp_path, node)
+def checkpointed(node: Node, tmp_path: Path, compression: str = "off"
+                 ) -> tuple[Path, Path, int, list[int], Dump]:
+    script = install(tmp_path, node, gpu_storage_compression=compression)
     image = tmp_path / "img"
     image.mkdir()
     init, pids = workloads(node)
@@ -241,11 +257,13 @@ def checkpointed(node: Node, tmp_path: Path) -> tuple[Path, Path, int, list[int]
     return script, image, init, pids, dump
 
 
+@pytest.mark.parametrize("compression", COMPRESSION)
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_a_flipped_bit_in_any_chunk_is_refused_at_post_restore(make_node: Any, tmp_path: Path,
-                                                                chunk: int) -> None:
+                                                                chunk: int,
+                                                                compression: str) -> None:
     node = storage_node(make_node)
-    script, image, init, pids, dump = checkpointed(node, tmp_path)
+    script, image, init, pids, dump = checkpointed(node, tmp_path, compression)
     try:
         path = image / "cudahook-gpu" / str(pids[1]) / f"gpu0-{chunk:06d}.chunk"
         data = bytearray(path.read_bytes())
@@ -267,11 +285,12 @@ def test_a_flipped_bit_in_any_chunk_is_refused_at_post_restore(make_node: Any, t
         dump.end()
 
 
+@pytest.mark.parametrize("compression", COMPRESSION)
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_a_failed_chunk_at_restore_fails_closed_with_the_image_unchanged(
-        make_node: Any, tmp_path: Path, chunk: int) -> None:
+        make_node: Any, tmp_path: Path, chunk: int, compression: str) -> None:
     node = storage_node(make_node)
-    script, image, init, pids, dump = checkpointed(node, tmp_path)
+    script, image, init, pids, dump = checkpointed(node, tmp_path, compression)
     try:
         before = tree(image)
         node.lab.fault("copy-in", "error", code=999, pid=pids[1], skip=chunk, times=1)
@@ -305,7 +324,7 @@ def test_a_dump_that_fails_after_pre_dump_is_mended_from_storage(make_node: Any,
     """CRIU gone after a storage pre-dump (a failed dump): the guardian
     brings every process back from the image's chunks."""
     node = storage_node(make_node)
-    _, _, _, pids, dump = checkpointed(node, tmp_path)
+    _, _, _, pids, dump = checkpointed(node, tmp_path, "zstd")
     dump.end()
     deadline = time.monotonic() + 30
     while not events(node, "guardian"):

@@ -288,10 +288,13 @@ def _reserve(cp: Checkpoint) -> int | None:
 
 def _clear_storage(root: Path) -> None:
     """Remove a storage directory of this image: the chunk files and
-    manifests in its per-process directories, then the directories. Anything
-    else there is not ours: it stays, and so does the directory (an error)."""
+    manifests in its per-process directories, the index of links by digest,
+    then the directories. Anything else there is not ours: it stays, and so
+    does the directory (an error)."""
     import os
     import stat
+
+    from cudahook.core.backends.driver_helper import INDEX
 
     try:
         st = root.lstat()
@@ -304,6 +307,9 @@ def _clear_storage(root: Path) -> None:
         if sub == RESERVE:
             path.unlink()
             continue
+        if sub == INDEX:
+            _drop_index(path)
+            continue
         if not sub.isdigit() or not stat.S_ISDIR(path.lstat().st_mode):
             raise OSError(f"{path}: not a file of a GPU-memory checkpoint")
         for name in os.listdir(path):
@@ -311,6 +317,25 @@ def _clear_storage(root: Path) -> None:
                 (path / name).unlink()
         path.rmdir()
     root.rmdir()
+
+
+def _drop_index(index: Path) -> None:
+    """The checkpoint's index of chunks by digest: only links to files each
+    process's directory also holds, used while the chunks are written. It
+    goes once they are, so the image holds the process directories alone,
+    as without dedupe (their shared chunks stay hard links)."""
+    import os
+    import stat
+
+    try:
+        st = index.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{index}: not a directory")
+    for name in os.listdir(index):
+        (index / name).unlink()
+    index.rmdir()
 
 
 def _arm(cp: Checkpoint) -> None:
@@ -539,20 +564,27 @@ def _stored(cp: Checkpoint) -> manifest.GpuStorage:
     import hashlib
     import json
 
+    from cudahook.core.backends.driver_helper import INDEX
     from cudahook.platform import safeio
 
     assert cp.image_dir is not None
-    procs = []
+    _drop_index(cp.image_dir / manifest.STORAGE_DIR / INDEX)
+    procs, digests = [], set()
     for p in cp.procs:
         raw = safeio.read_bytes(Path(cp.storage[p.pid]) / manifest.STORAGE_MANIFEST,
                                 16 << 20)
         m = json.loads(raw)
+        digests.add(m["digest"])
         procs.append(manifest.StoredProcess(
             nspid=p.nspid, chunk=int(m["chunk"]), manifest_sha256=hashlib.sha256(raw).hexdigest(),
             manifest_size=len(raw), ranges=tuple(
-                manifest.StorageRange(size=int(r["size"]), chunks=tuple(r["chunks"]))
+                manifest.StorageRange(size=int(r["size"]), chunks=tuple(r["chunks"]),
+                                      zstd=tuple(r.get("zstd") or ()))
                 for r in m["ranges"])))
-    return manifest.GpuStorage(dir=manifest.STORAGE_DIR, processes=tuple(procs))
+    if len(digests) > 1:  # one helper writes them all: never seen, but never recorded wrong
+        raise ValueError(f"the processes' chunks have different digests: {sorted(digests)}")
+    return manifest.GpuStorage(dir=manifest.STORAGE_DIR, processes=tuple(procs),
+                               digest=digests.pop() if digests else "sha256")
 
 
 def _unlink(path: Path) -> None:

@@ -628,7 +628,7 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
     v.checked.append("integrity")
     for name, problem in manifest.verify_files(image_dir, m, quick):
         if problem == "checksum":
-            v.add("IMAGE_CHECKSUM", f"{name}: sha256 or size differs from the manifest's")
+            v.add("IMAGE_CHECKSUM", f"{name}: its digest or size differs from the manifest's")
         else:
             v.add("IMAGE_FILE_MISSING", f"{name}: {problem}")
     if m.vmm and not vmm.has_state(image_dir):

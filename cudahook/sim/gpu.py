@@ -264,7 +264,8 @@ class GpuService:
                 self._charge(client, size)
             try:
                 if op == "alloc":
-                    fill = pattern(int(msg["seed"]), size) if "seed" in msg else None
+                    fill = pattern(int(msg["seed"]), size, str(msg.get("content", "pattern"))
+                                   ) if "seed" in msg else None
                     return {"handle": self._store(client, size, fill)}, b""
                 # The copy runs within its turn on the link (for an upload,
                 # the payload crossed the socket while the turn ran).

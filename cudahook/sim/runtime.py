@@ -175,10 +175,12 @@ class SimCuda:
                 self.inflight -= 1
                 self.cond.notify_all()
 
-    def alloc(self, name: str, size: int, seed: int | None = None, *, vmm: bool = False) -> None:
+    def alloc(self, name: str, size: int, seed: int | None = None, *, vmm: bool = False,
+              content: str = "pattern") -> None:
         msg: dict[str, Any] = {"op": "alloc", "size": size}
         if seed is not None:
             msg["seed"] = seed
+            msg["content"] = content
         with self._work():
             reply, _ = self._call(msg)
         self.buffers[name] = int(reply["handle"])
