@@ -234,6 +234,44 @@ def memory_cgroup(pids: list[int], limit: int) -> Iterator[Path]:
                 time.sleep(0.05)
 
 
+def shmem(cgroup: Path) -> int:
+    """Shared-memory bytes charged to a memory cgroup (v1 and v2 alike)."""
+    for line in (cgroup / "memory.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "shmem":
+            return int(value)
+    raise AssertionError(f"no shmem in {cgroup}/memory.stat")
+
+
+@requires_root
+def test_the_simulated_host_copy_is_charged_to_the_process_cgroup(node: Node) -> None:
+    """On a real node a checkpoint's host copy is the process's own memory,
+    counted in the container's memory cgroup: that is what the host-memory
+    rule and P8's cgroup peak measure. The simulator's copy must count
+    there too, not in the GPU service's cgroup, and leave it at restore."""
+    p = node.spawn("c", mib=64, check_every=1)
+    node.lab.wait_counter("c")
+    tool = str(node.lab.cuda_checkpoint)
+
+    def cc(*actions: str) -> None:
+        for action in actions:
+            r = subprocess.run([tool, "--action", action, "--pid", str(p.pid)],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+
+    with memory_cgroup([p.pid], 4 << 30) as cg:
+        before = shmem(cg)
+        cc("lock", "checkpoint")
+        held = shmem(cg)
+        assert held - before >= 64 << 20, f"host copy charged elsewhere: shmem {before} -> {held}"
+        cc("restore", "unlock")
+        after = shmem(cg)
+        assert held - after >= 64 << 20, f"device memory still charged here: {held} -> {after}"
+        counter = node.lab.status("c")["counter"]
+        st = node.lab.wait_counter("c", counter + 2)
+        assert st["intact"] and st["restores"] == 1, st
+
+
 @requires_root
 def test_host_memory_against_the_memory_limit(node: Node) -> None:
     """A checkpoint copies GPU memory into the process: a container whose

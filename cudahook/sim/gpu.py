@@ -14,19 +14,23 @@ takes at least its largest per-GPU byte count over the link's bandwidth.
 
 Device memory is a memfd per allocation (mapped here for kernels and
 digests). A checkpoint's copy to the host (`download_fd`) hands the CUDA
-process that memfd (SCM_RIGHTS) within the copy's turn on the link; once
-the checkpoint has released the GPU, the process holds the only reference:
+process that memfd (SCM_RIGHTS) within the copy's turn on the link, and the
+process copies it into a memfd of its own (`copy_memfd`, in the kernel):
 its host copy, which CRIU dumps with the process and restores. A restore
-(`upload_fd`) hands it back and the service adopts it as device memory.
-The pages change hands rather than being copied, so a phase costs what the
-link model says, not what one Python process can memcpy; what a restored
-process reads is still exactly what went through the host (the image, under
-CRIU), and its memory check catches any page that changed on the way.
+(`upload_fd`) hands that back and the service copies it into device memory
+of its own. Shared memory is charged to the memory cgroup that first
+touches it, so each copy made by its new owner puts the host copy in the
+container's cgroup and device memory in the service's, where a real node
+has them. The kernel copies within the link's time, so a phase still costs
+what the link model says; what a restored process reads is exactly what
+went through the host (the image, under CRIU), and its memory check
+catches any page that changed on the way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import mmap
@@ -95,6 +99,26 @@ def memfd(size: int, name: str = "cudahook-sim-device-memory") -> int:
     try:
         os.ftruncate(fd, size)
     except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def copy_memfd(src: int, size: int) -> int:
+    """A new device-memory memfd holding `src`'s first `size` bytes, its
+    pages allocated by the calling process. Shared memory stays charged to
+    the memory cgroup that first touched it: a host copy made here counts
+    where the real driver's does (the copying process's own memory), not in
+    the cgroup of whoever made the source."""
+    fd = memfd(size)
+    try:
+        done = 0
+        while done < size:
+            n = os.copy_file_range(src, fd, size - done, done, done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"memfd copy stopped at {done} of {size} bytes")
+            done += n
+    except BaseException:
         os.close(fd)
         raise
     return fd
@@ -198,9 +222,10 @@ class GpuService:
         return buf
 
     def _store(self, client: Client, size: int, fill: Any = None, src: int | None = None) -> int:
-        """A new device buffer of `size` bytes (zeroed, `fill`ed, or the memfd
-        `src` adopted); its handle."""
-        fd = os.dup(src) if src is not None else memfd(size)
+        """A new device buffer of `size` bytes (zeroed, `fill`ed, or a copy
+        of the memfd `src`: device memory is the service's own, never pages
+        charged to the process that handed them over); its handle."""
+        fd = copy_memfd(src, size) if src is not None else memfd(size)
         try:
             if fill and src is None:
                 view, done = memoryview(fill), 0
