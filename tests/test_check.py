@@ -287,6 +287,47 @@ def test_host_memory_against_the_memory_limit(node: Node) -> None:
 
 
 @requires_root
+def test_the_storage_path_checks_the_image_disk_not_host_memory(make_node: Any,
+                                                                tmp_path: Path) -> None:
+    """On the storage path the GPU memory never enters host memory: neither
+    MemAvailable nor the memory cgroup's headroom refuses it, the image
+    directory's file system must take all of it instead (no dedupe or
+    compression counted on), and the verdict says which path and why."""
+    node = make_node(driver=590)
+    node.lab.set(cuda_version=13040)
+    p = node.spawn("m", mib=96)
+    st = node.lab.wait_counter("m")
+    rss = int(Path(f"/proc/{st['pid']}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    host = config(node, backend="driver-api", gpu_memory="host")
+    storage = config(node, backend="driver-api", gpu_memory="storage")
+    pid = ["--pid", str(st["pid"])]
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)]).returncode:
+        pytest.skip("cannot mount a tmpfs")
+    try:
+        with memory_cgroup([p.pid], rss + (24 << 20)):
+            v = expect(host, pid, "HOST_MEMORY")
+            assert v["facts"]["gpu_memory_path"] == "host"
+            # Storage: the cgroup's limit does not matter, the disk does.
+            _, v, _ = check(storage, *pid)
+            assert v["ok"] and v["facts"]["gpu_memory_path"] == "storage", v
+            assert "custom storage" in v["facts"]["gpu_memory_path_why"]
+            assert "host memory" not in v["checked"]
+            assert any("not checked (give --image-dir)" in w for w in v["warnings"]), v
+            v = expect(storage, [*pid, "--image-dir", str(small)], "IMAGE_SPACE")
+            detail = v["problems"][0]["detail"]
+            assert "storage path" in detail
+            assert "dedupe and compression not counted on" in detail and str(small) in detail
+            assert v["facts"]["image_gpu_bytes"] >= 96 << 20 > v["facts"]["image_free_bytes"]
+            v = ok(storage, *pid, "--image-dir", str(tmp_path))
+            assert "image space for GPU memory" in v["checked"]
+            assert node.lab.status("m")["counter"] > 0
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+@requires_root
 def test_image_space(node: Node, tmp_path: Path) -> None:
     init = node.spawn_tree(("a", {"mib": 16}),)
     node.lab.wait_counter("a")

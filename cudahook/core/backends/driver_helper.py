@@ -204,6 +204,8 @@ def _dotted(version: int) -> str:
 _storage_lock = threading.Lock()
 DIGEST = "sha256"  # hashlib, standard library: this helper imports nothing else
 MANIFEST = "manifest.json"
+RESERVE = ".reserve"  # core/manifest.py STORAGE_RESERVE, in the storage directory
+RESERVE_DIRECTORY = 1 << 16  # given back for a process directory and its manifest's blocks
 MANIFEST_MAX = 16 << 20
 CHUNK_MIN, CHUNK_MAX = 4096, 1 << 30
 MAX_RANGES = 64
@@ -266,7 +268,16 @@ class Storage:
 
     def checkpoint(self, pid: int, directory: str, chunk: int) -> dict:
         self._current()
-        os.mkdir(directory, 0o700)  # a new directory: never into someone else's
+        reserve = _open_reserve(directory)
+        try:
+            _give_back(reserve, RESERVE_DIRECTORY)
+            os.mkdir(directory, 0o700)  # a new directory: never into someone else's
+            return self._checkpoint(pid, directory, chunk, reserve)
+        finally:
+            if reserve is not None:
+                os.close(reserve)
+
+    def _checkpoint(self, pid: int, directory: str, chunk: int, reserve: int | None) -> dict:
         dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             info = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
@@ -276,9 +287,11 @@ class Storage:
             ranges = [info.contents.perDeviceData[i] for i in range(info.contents.deviceCount)]
             try:
                 manifest = {"format": 1, "digest": DIGEST, "chunk": chunk, "ranges": [
-                    {"size": r.size, "chunks": self._copy_out(r, dirfd, i, chunk)}
+                    {"size": r.size, "chunks": self._copy_out(r, dirfd, i, chunk, reserve)}
                     for i, r in enumerate(ranges)]}
-                _write(dirfd, MANIFEST, json.dumps(manifest).encode())
+                raw = json.dumps(manifest).encode()
+                _give_back(reserve, len(raw) + RESERVE_DIRECTORY)
+                _write(dirfd, MANIFEST, raw)
                 os.fsync(dirfd)
                 _check(self.lib.cuCheckpointOperationComplete(info.contents.handle))
             except (CallFailed, OSError) as exc:
@@ -336,7 +349,7 @@ class Storage:
         return "its GPU memory was put back: left locked"
 
     def _copy_out(self, r: CUcheckpointCustomStoragePerDeviceData, dirfd: int, index: int,
-                  chunk: int) -> list[str]:
+                  chunk: int, reserve: int | None = None) -> list[str]:
         lib, count = self.lib, -(-r.size // chunk)
         bufs = [self._pinned(chunk) for _ in range(2 if count > 1 else 1)]
         digests: list[str] = []
@@ -355,6 +368,7 @@ class Storage:
                 n = min(chunk, r.size - k * chunk)
                 data = memoryview((ctypes.c_char * n).from_address(bufs[k % len(bufs)].value))
                 digests.append(_digest(data).hexdigest())
+                _give_back(reserve, n)
                 _write(dirfd, _chunk_name(index, k), data)
         finally:
             for b in bufs:
@@ -456,6 +470,36 @@ def _chunk_name(index: int, k: int) -> str:
 
 def _chunk_size(size: int, chunk: int, k: int) -> int:
     return min(chunk, size - k * chunk)
+
+
+def _open_reserve(directory: str) -> int | None:
+    """Pre-dump's preallocation of the GPU memory's space, beside the process
+    directories (core/manifest.py STORAGE_RESERVE), or None without one."""
+    try:
+        fd = os.open(os.path.join(os.path.dirname(directory), RESERVE),
+                     os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _give_back(reserve: int | None, n: int) -> None:
+    """Shrink the reservation by `n` bytes just before writing as many: the
+    space stays held for the copy-out until it is written, so a disk filled
+    by someone else meanwhile cannot fail it. Processes copied out in
+    parallel share the file: one shrink at a time."""
+    if reserve is None:
+        return
+    import fcntl
+
+    fcntl.flock(reserve, fcntl.LOCK_EX)
+    try:
+        os.ftruncate(reserve, max(0, os.fstat(reserve).st_size - n))
+    finally:
+        fcntl.flock(reserve, fcntl.LOCK_UN)
 
 
 def _write(dirfd: int, name: str, data: object) -> None:
