@@ -172,3 +172,32 @@ def test_cu_get_proc_address_gives_operation_complete_from_cuda_13_4_only(make_n
     new = storage_node(make_node, name="new")
     # CUDA 13.4: found at 13.4; asked for at 13.0, the version is not enough.
     assert probe(new) == ["13000 0 2 False", "13040 0 0 True"]
+
+
+def test_the_gpu_kits_storage_probe_on_the_simulator(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """tests/gpu's custom-storage probe, its logic run on the simulator so
+    that one run on a real GPU settles the question: before CUDA 13.4 it
+    answers no, with the reason; with it, one process goes through storage
+    and back, measured per GPU, and computes on intact."""
+    from tests.gpu.gpulib import Rig, custom_storage_probe
+
+    rig = Rig.simulated(tmp_path / "rig", driver=590)
+    try:
+        wl = rig.spawn("small", "memory", gib=0.25)
+        wl.wait_ready(60)
+        no = custom_storage_probe(rig, lambda: wl, tmp_path / "no")
+        assert no["supported"] is False and "13.4" in no["why"], no
+        assert no["driver"] and no["cuda_version"] and no["cuda_version"] < 13040, no
+        assert not (tmp_path / "no").exists()
+        rig.lab.set(cuda_version=13040)
+        got = custom_storage_probe(rig, lambda: wl, tmp_path / "yes")
+        assert got["supported"] and got["cuda_version"] == 13040, got
+        assert (got["state_after_checkpoint"], got["state_after_restore"]) == (
+            "checkpointed", "locked"), got
+        ((gpu, m),) = got["per_gpu"].items()
+        assert gpu == rig.gpu_of(wl) and m["bytes"] >= 4 << 20 and got["chunks"] >= 1, got
+        assert m["checkpoint_gb_s"] > 0 and m["restore_gb_s"] > 0, m
+        assert got["intact"] and got["put_back"] == [], got
+        assert got["status_after"]["restores"] == 1, got
+    finally:
+        rig.close()
