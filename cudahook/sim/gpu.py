@@ -358,6 +358,16 @@ class GpuService:
                     self._charge(client, total)
             try:
                 fd = memfd(total)
+                if op == "map_in" and total:
+                    # Device memory is the service's: its pages are made
+                    # here, so the checkpointer's copy in fills them without
+                    # charging its own memory cgroup (on a restore through
+                    # runc, the container's) for the GPU's memory.
+                    try:
+                        os.posix_fallocate(fd, 0, total)
+                    except OSError:
+                        os.close(fd)
+                        raise
             except OSError as exc:
                 if op == "map_in":
                     with self.lock:
