@@ -17,14 +17,16 @@ digests). A checkpoint's copy to the host (`download_fd`) hands the CUDA
 process that memfd (SCM_RIGHTS) within the copy's turn on the link, and the
 process copies it into a memfd of its own (`copy_memfd`, in the kernel):
 its host copy, which CRIU dumps with the process and restores. A restore
-(`upload_fd`) hands that back and the service copies it into device memory
-of its own. Shared memory is charged to the memory cgroup that first
+(`upload_fd`) hands that back and the service adopts it as device memory,
+then copies it into memory of its own before the process's next GPU work
+(`_recharge`), off the restore's own time, as the real copy in is the
+GPU's DMA. Shared memory is charged to the memory cgroup that first
 touches it, so each copy made by its new owner puts the host copy in the
 container's cgroup and device memory in the service's, where a real node
-has them. The kernel copies within the link's time, so a phase still costs
-what the link model says; what a restored process reads is exactly what
-went through the host (the image, under CRIU), and its memory check
-catches any page that changed on the way.
+has them. The kernel copy at checkpoint runs within the link's time; what
+a restored process reads is exactly what went through the host (the
+image, under CRIU), and its memory check catches any page that changed on
+the way.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class Client:
     kind: str = "cuda"
     buffers: dict[int, Any] = field(default_factory=dict)  # handle -> mmap of its memfd
     fds: dict[int, int] = field(default_factory=dict)  # handle -> the memfd
+    # Buffers adopted from a restore's host copy, still charged to the
+    # process's memory cgroup: made the service's own before its next work.
+    recharge: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -222,10 +227,9 @@ class GpuService:
         return buf
 
     def _store(self, client: Client, size: int, fill: Any = None, src: int | None = None) -> int:
-        """A new device buffer of `size` bytes (zeroed, `fill`ed, or a copy
-        of the memfd `src`: device memory is the service's own, never pages
-        charged to the process that handed them over); its handle."""
-        fd = copy_memfd(src, size) if src is not None else memfd(size)
+        """A new device buffer of `size` bytes (zeroed, `fill`ed, or the memfd
+        `src` adopted); its handle."""
+        fd = os.dup(src) if src is not None else memfd(size)
         try:
             if fill and src is None:
                 view, done = memoryview(fill), 0
@@ -264,8 +268,34 @@ class GpuService:
         except (KeyError, ValueError) as exc:
             raise CudaError(INVALID_VALUE) from exc
 
+    def _recharge(self, client: Client) -> None:
+        """Make adopted buffers device memory of the service's own: copied
+        here, their pages are charged to the service's memory cgroup, and the
+        process's host copy goes once the process closes it (at restore)."""
+        for handle in sorted(client.recharge):
+            fd = client.fds.get(handle)
+            if fd is None:
+                continue
+            size = len(client.buffers[handle])
+            new = copy_memfd(fd, size)
+            try:
+                buf = _mapping(new, size)
+            except BaseException:
+                os.close(new)
+                raise
+            self._drop(client, handle)
+            client.buffers[handle], client.fds[handle] = buf, new
+        client.recharge.clear()
+
     def handle(self, client: Client, msg: dict[str, Any], payload: bytes) -> tuple[dict, bytes]:
         op = msg.get("op")
+        if client.recharge and op not in ("info", "hello", "alloc", "upload", "upload_fd"):
+            # The restore is over (its uploads are done): before any GPU
+            # work reads or writes the buffers.
+            try:
+                self._recharge(client)
+            except OSError as exc:
+                raise CudaError(OUT_OF_MEMORY, f"device memory: {exc}") from exc
         if op == "info":
             return self.info(), b""
         if op == "hello":
@@ -296,6 +326,8 @@ class GpuService:
                 until = self._reserve(self._device(client), size, msg.get("_arrived", 0.0))
                 handle = (self._store(client, size, payload) if op == "upload"
                           else self._store(client, size, src=src))
+                if op == "upload_fd":
+                    client.recharge.add(handle)
                 self._wait(until)
                 return {"handle": handle}, b""
             except OSError as exc:
