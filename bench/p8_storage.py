@@ -12,12 +12,15 @@ directory each time), in a rotating order; the timed figure is checkpoint +
 restore wall time. Untimed after each restore: every workload ran again and
 its whole device memory checked intact.
 
-Peak host memory, sampled every 20 ms during each cycle: the container's
-processes' RSS plus the host copies the simulated driver holds for them
-(memfds: the real driver's copy is the process's own memory), plus every
-driver-API helper's anonymous and file RSS (the storage path's pinned
-staging buffers; not the target's device memory it maps). The
-container's memory cgroup peak is noted beside it when the cgroup shows one.
+Peak host memory, sampled every 20 ms during each cycle, as a real node
+would see it: the container's memory cgroup (its processes, their host
+copies of GPU memory on the host path - the simulator charges them there, as
+the real driver's copy is the process's own memory - and, during the
+restore, CRIU and its action script's driver helpers, which runc runs inside
+it), plus the anonymous and file RSS of this node's driver-API helpers
+outside it (pre-dump's, in runc's cgroup: the storage path's pinned staging
+buffers; not the target's device memory they map). The cgroup's own peak is
+noted beside it.
 
   targets: time storage/host <= 0.6, peak host memory storage/host <= 0.2
 """
@@ -56,8 +59,8 @@ MIB, QUICK_MIB = 256, 64  # per process; --quick takes the smaller unless --mib 
 class Peak:
     """The largest host memory seen while it runs (see the module notes)."""
 
-    def __init__(self, cgroup: Path | None, memory: Path | None):
-        self.cgroup, self.memory = cgroup, memory
+    def __init__(self, cgroup: Path | None, memory: Path | None, libcuda: str):
+        self.cgroup, self.memory, self.libcuda = cgroup, memory, libcuda.encode()
         self.peak = 0
         self.cgroup_peak = 0
         self._stop = threading.Event()
@@ -81,14 +84,10 @@ class Peak:
     def sample(self) -> int:
         # A helper maps the target's device memory (custom storage): in the
         # simulator that is a shared memfd, on a GPU it is device memory, so
-        # a helper counts only its own anonymous and file pages.
-        helpers = _helpers()
-        procs = _procs(self.cgroup) - helpers
-        memfds: dict[tuple[int, int], int] = {}  # each once, however many hold it
-        for p in procs:
-            memfds.update(_memfds(p))
-        return sum(_rss(p, ("RssAnon", "RssFile")) for p in helpers) + sum(
-            _rss(p, ("VmRSS",)) for p in procs) + sum(memfds.values())
+        # a helper outside the container counts only its own anonymous and
+        # file pages. Those inside are in the cgroup's figure already.
+        outside = _helpers(self.libcuda) - _procs(self.cgroup)
+        return _cgroup_usage(self.memory) + sum(_rss(p, ("RssAnon", "RssFile")) for p in outside)
 
 
 def _procs(cgroup: Path | None) -> set[int]:
@@ -100,12 +99,14 @@ def _procs(cgroup: Path | None) -> set[int]:
         return set()
 
 
-def _helpers() -> set[int]:
+def _helpers(libcuda: bytes) -> set[int]:
+    """This node's driver-API helpers (their command line names its libcuda)."""
     out = set()
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                if b"driver_helper.py" in Path(f"/proc/{d}/cmdline").read_bytes():
+                cmdline = Path(f"/proc/{d}/cmdline").read_bytes()
+                if b"driver_helper.py" in cmdline and libcuda in cmdline:
                     out.add(int(d))
             except OSError:
                 continue
@@ -121,22 +122,6 @@ def _rss(pid: int, fields: tuple[str, ...]) -> int:
     except OSError:
         pass
     return total
-
-
-def _memfds(pid: int) -> dict[tuple[int, int], int]:
-    """The memfds a process holds, by identity: their sizes."""
-    out = {}
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
-                    st = os.stat(f"/proc/{pid}/fd/{fd}")
-                    out[(st.st_dev, st.st_ino)] = st.st_size
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return out
 
 
 def _cgroup_of(pid: int) -> tuple[Path | None, Path | None]:
@@ -230,7 +215,7 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                 box.close()
             lab.stop()
     res.add_samples(samples, {
-        **{f"peak-MiB-{v}": "MiB, not s: container RSS + driver host copies + helpers"
+        **{f"peak-MiB-{v}": "MiB, not s: the container's memory cgroup + helpers outside it"
            for v in VARIANTS},
         **{f"cgroup-peak-MiB-{v}": "MiB, not s: the container's memory cgroup" for v in VARIANTS},
         **{f"criu-image-MiB-{v}": "MiB, not s: CRIU's image without cudahook-gpu/"
@@ -251,7 +236,7 @@ def cycle(box, cid: str, bundle: Path, image: Path) -> tuple[float, int, int, fl
     """runc checkpoint + runc restore: (seconds, peak host memory, the memory
     cgroup's peak or 0, CRIU's image in MiB without cudahook-gpu/)."""
     procs, memory = _cgroup_of(int(box.state(cid)["pid"]))
-    with Peak(procs, memory) as peak:
+    with Peak(procs, memory, str(box.lab.libcuda)) as peak:
         t0 = time.perf_counter()
         r = box.checkpoint(cid, image)
         if r.returncode:

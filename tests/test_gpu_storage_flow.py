@@ -363,3 +363,92 @@ def test_a_runtime_that_removes_the_image_early_is_mended_from_the_kept_chunks(
            for p in root.rglob(f"*{KEPT_INFIX}*")]:
         assert time.monotonic() < deadline, "the kept chunks outlived the guardian"
         time.sleep(0.05)
+
+
+def small_disk(tmp_path: Path, mib: int) -> Path:
+    """An image directory on a file system of `mib` MiB of its own."""
+    image = tmp_path / "small-img"
+    image.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs",
+                       str(image)]).returncode:
+        pytest.skip("cannot mount a tmpfs")
+    return image
+
+
+def test_a_full_disk_is_refused_before_anything_is_locked(make_node: Any,
+                                                          tmp_path: Path) -> None:
+    node = storage_node(make_node)
+    script = install(tmp_path, node)
+    init, pids = workloads(node)
+    image = small_disk(tmp_path, 2 * MIB)  # two processes of MIB each: no room
+    try:
+        dump = Dump(script, image, init)
+        try:
+            rc, err = dump.calls[0]
+            assert rc != 0 and "IMAGE_SPACE" in err and "nothing was locked" in err, dump.calls
+            assert [state(node, p) for p in pids] == ["running"] * 2
+            assert list(image.iterdir()) == []
+        finally:
+            dump.end()
+        healthy(node)
+    finally:
+        subprocess.run(["umount", str(image)])
+
+
+def test_the_reserved_space_holds_while_the_processes_are_locked(make_node: Any,
+                                                                 tmp_path: Path) -> None:
+    """The disk fills (someone else's writes) after pre-dump preallocated the
+    GPU memory's space and while the processes are being locked: the
+    copy-out still has its space, and the checkpoint completes."""
+    node = storage_node(make_node)
+    script = install(tmp_path, node)
+    init, pids = workloads(node)
+    image = small_disk(tmp_path, 2 * MIB + 24)
+    node.lab.fault("lock", "delay", seconds=2, pid=pids[0], times=1)
+    filled: list[int] = []
+
+    def fill() -> None:
+        root = image / manifest.STORAGE_DIR
+        deadline = time.monotonic() + 60
+        while not root.exists():  # pre-dump's reservation is being made
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.5)  # made; the first lock now waits out its delay
+        with open(image / "someone-else", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\xff" * (1 << 20))
+                    f.flush()
+                    filled.append(1)
+            except OSError:
+                pass
+
+    import threading
+
+    filler = threading.Thread(target=fill)
+    filler.start()
+    try:
+        dump = Dump(script, image, init)
+        filler.join()
+        try:
+            assert filled, "the disk was never filled"
+            assert dump.calls[0][0] == 0, dump.calls
+            assert [state(node, p) for p in pids] == ["checkpointed"] * 2
+            m = manifest.read(image)
+            assert m is not None and m.gpu_storage is not None
+            import blake3
+
+            assert m.gpu_storage.digest == "blake3"
+            for p in m.gpu_storage.processes:
+                for f in p.files():
+                    data = (image / "cudahook-gpu" / str(p.nspid) / f.name).read_bytes()
+                    assert (len(data), blake3.blake3(data).hexdigest()) == (f.size, f.digest)
+            assert not (image / "cudahook-gpu" / manifest.STORAGE_RESERVE).exists()
+            (image / "someone-else").unlink()  # room for CRIU's own image again
+            steps = restore(script, image, init)
+            assert [s[0] for s in steps] == [0, 0], steps
+            healthy(node, restored=True)
+        finally:
+            dump.end()
+    finally:
+        subprocess.run(["umount", str(image)])

@@ -43,6 +43,9 @@ CHUNK_DIGESTS = ("sha256", "blake3")
 # Where in the image the chunks of each process go: <STORAGE_DIR>/<nspid>/.
 STORAGE_DIR = "cudahook-gpu"
 STORAGE_MANIFEST = "manifest.json"  # the driver helper's, per process
+# Pre-dump's preallocation in STORAGE_DIR, held until the copy-out writes
+# into its space (the driver helper's RESERVE: it imports nothing).
+STORAGE_RESERVE = ".reserve"
 # A manifest holds a few lines per CUDA process; anything near this is not ours.
 MAX_BYTES = 32 << 20
 

@@ -4,12 +4,14 @@
     _checkpoint      which container; opted out?
       _where         host memory or storage for the GPU memory (`gpu_memory`)
       _check         discovery and every check: refuse before anything is touched
-      _reserve       storage: the image's space for GPU memory, preallocated;
+      _reserve       storage: the image's space for GPU memory, preallocated
+                     and held until the copy-out writes into it;
                      undo: remove what was written there
       _arm           the guardian, for a script killed from here on
       _prepare       the VMM interposer's prepare; undo: replay its state
       _lock_all      lock all, checkpoint all (storage: into the image);
                      undo: restore all
+      _unreserve     storage: what is left of the reservation goes
       _no_nvml_left  NVML handles CRIU cannot dump
       _record        the manifest; undo: remove it
       _keep          storage: the chunks hard-linked for the guardian
@@ -152,6 +154,7 @@ def _checkpoint(cp: Checkpoint) -> int:
     result = _lock_all(cp)
     if isinstance(result, int):
         return result
+    _unreserve(cp)
     failed = _no_nvml_left(cp)
     if failed is not None:
         return failed
@@ -168,7 +171,7 @@ def _check(cp: Checkpoint) -> int | None:
     same processes, a process stopped (cuda-checkpoint would hang on it),
     not running (one already locked or checkpointed was not put there by
     this checkpoint: dumped, it would be restored without its GPU state),
-    failed; too little host memory; persistence off. A task traced while it
+    failed; too little host memory (the host path only); persistence off. A task traced while it
     runs and the image size are left to CRIU, which fails cleanly on them
     (the guardian then resumes the workload). Hazard: a probe that times
     out is not "not CUDA" - it refuses too, or a process would be dumped
@@ -177,15 +180,14 @@ def _check(cp: Checkpoint) -> int | None:
     from . import checks  # the reason table: only pre-dump and post-restore need it
 
     ctx, cid = cp.ctx, cp.cid
+    # The path decides which room is checked: host memory on the host path,
+    # the image directory's space on the storage path (_reserve proves it).
     cp.verdict = verdict = checks.checkpoint_checks(
-        ctx, init_pid=cp.init_pid, full=False, image_dir=cp.image_dir, container=cid)
+        ctx, init_pid=cp.init_pid, full=False, image_dir=cp.image_dir, container=cid,
+        path=lambda: _path(cp))
     for w in verdict.warnings:
         ctx.log("pre-dump", container=cid, warning=w)
     found = verdict.found
-    if any(p.code == "HOST_MEMORY" for p in verdict.problems) and found and found.processes \
-            and ctx.settings.gpu_memory != "host" and _path(cp)[0] == "storage":
-        # On the storage path the GPU memory never enters host memory.
-        verdict.problems = [p for p in verdict.problems if p.code != "HOST_MEMORY"]
     if verdict.ok and found is not None:
         cp.procs = found.processes
         return None
@@ -213,13 +215,9 @@ def _path(cp: Checkpoint) -> tuple[str | None, str]:
     """Where the GPU memory goes under `gpu_memory` (core/backends
     gpu_memory_path), asked of the driver once: `host` asks nothing."""
     if cp.path is None:
-        setting = cp.ctx.settings.gpu_memory
-        if setting == "host":
-            cp.path = ("host", "gpu_memory: host")
-        else:
-            from cudahook.core.backends import gpu_memory_path, probe
+        from .checks import memory_path
 
-            cp.path = gpu_memory_path(setting, probe(cp.ctx.backend))
+        cp.path = memory_path(cp.ctx)
     return cp.path
 
 
@@ -242,19 +240,17 @@ def _where(cp: Checkpoint) -> int | None:
     return None
 
 
-RESERVE = ".reserve"  # the preallocation, in the storage directory while it lasts
-# Room for the chunk manifests and file-system overhead, besides the memory.
-RESERVE_SLACK = 4 << 20
-
-
 def _reserve(cp: Checkpoint) -> int | None:
     """Storage only. Hazard: a disk that fills while chunks are copied fails
     the checkpoint with the processes locked and their memory half written
     (the helper then puts it back: slow, and a second way to fail). The
     GPU memory's size is preallocated in the image first, so a full disk
-    refuses before anything is locked; the reservation is released just
-    before the lock. Undo: remove every file the checkpoint writes there.
-    The exit code of a refusal, or None."""
+    refuses before anything is locked. The reservation is held through the
+    lock: the driver helper shrinks it just before writing each chunk, so
+    the space stays ours until the copy-out writes into it, whoever else
+    fills the disk meanwhile; what is left of it goes after the checkpoint
+    (_unreserve). Undo: remove every file the checkpoint writes there,
+    the reservation too. The exit code of a refusal, or None."""
     if not cp.to_storage:
         return None
     assert cp.image_dir is not None
@@ -267,23 +263,37 @@ def _reserve(cp: Checkpoint) -> int | None:
                                  f"{exc}; nothing was locked") from exc
     cp.undo.push("cannot remove the GPU memory written to the image",
                  lambda: _clear_storage(root))
-    need = int(cp.verdict.facts.get("gpu_memory_bytes") or 0) + RESERVE_SLACK
+    from .checks import STORAGE_SLACK
+
+    need = int(cp.verdict.facts.get("gpu_memory_bytes") or 0) + STORAGE_SLACK
     import os
 
     try:
-        fd = os.open(root / RESERVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o600)
+        fd = os.open(root / manifest.STORAGE_RESERVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.posix_fallocate(fd, 0, need)
         finally:
             os.close(fd)
-            (root / RESERVE).unlink()
     except OSError as exc:
         undone = cp.undo.unwind()
         return _refuse(cp, "IMAGE_SPACE", "; ".join(
             [f"cannot preallocate {need} bytes for the GPU memory in the image directory "
              f"({exc.strerror or exc})", *undone]))
     return None
+
+
+def _unreserve(cp: Checkpoint) -> None:
+    """What is left of the reservation once every process is copied out: the
+    image carries only the chunks and their manifests. Nothing to undo."""
+    if not cp.to_storage:
+        return
+    assert cp.image_dir is not None
+    try:
+        (cp.image_dir / manifest.STORAGE_DIR / manifest.STORAGE_RESERVE).unlink(missing_ok=True)
+    except OSError as exc:  # space left held, not a failed checkpoint
+        cp.ctx.log("pre-dump", container=cp.cid, warning=f"cannot remove the space "
+                   f"reservation in {manifest.STORAGE_DIR}: {exc}")
 
 
 def _clear_storage(root: Path) -> None:
@@ -304,7 +314,7 @@ def _clear_storage(root: Path) -> None:
         raise OSError(f"{root}: not a directory")
     for sub in os.listdir(root):
         path = root / sub
-        if sub == RESERVE:
+        if sub == manifest.STORAGE_RESERVE:
             path.unlink()
             continue
         if sub == INDEX:

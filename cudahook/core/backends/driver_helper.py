@@ -211,6 +211,8 @@ _storage_lock = threading.Lock()
 DIGESTS = ("blake3", "sha256")
 HEX = frozenset("0123456789abcdef")
 MANIFEST = "manifest.json"
+RESERVE = ".reserve"  # core/manifest.py STORAGE_RESERVE, in the storage directory
+RESERVE_DIRECTORY = 1 << 16  # given back for a process directory and its manifest's blocks
 MANIFEST_MAX = 16 << 20
 CHUNK_MIN, CHUNK_MAX = 4096, 1 << 30
 MAX_RANGES = 64
@@ -282,7 +284,17 @@ class Storage:
     def checkpoint(self, pid: int, directory: str, chunk: int, zstd: int = 0,
                    dedupe: bool = False) -> dict:
         self._current()
-        os.mkdir(directory, 0o700)  # a new directory: never into someone else's
+        reserve = _open_reserve(directory)
+        try:
+            _give_back(reserve, RESERVE_DIRECTORY)
+            os.mkdir(directory, 0o700)  # a new directory: never into someone else's
+            return self._checkpoint(pid, directory, chunk, reserve, zstd, dedupe)
+        finally:
+            if reserve is not None:
+                os.close(reserve)
+
+    def _checkpoint(self, pid: int, directory: str, chunk: int, reserve: int | None,
+                    zstd: int, dedupe: bool) -> dict:
         dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         out = _Out(dirfd, _new_digest(), zstd)
         try:
@@ -297,8 +309,10 @@ class Storage:
             ranges = [info.contents.perDeviceData[i] for i in range(info.contents.deviceCount)]
             try:
                 manifest = {"format": 2, "digest": out.digest, "chunk": chunk, "ranges": [
-                    self._copy_out(r, out, i, chunk) for i, r in enumerate(ranges)]}
-                _write(dirfd, MANIFEST, json.dumps(manifest).encode())
+                    self._copy_out(r, out, i, chunk, reserve) for i, r in enumerate(ranges)]}
+                raw = json.dumps(manifest).encode()
+                _give_back(reserve, len(raw) + RESERVE_DIRECTORY)
+                _write(dirfd, MANIFEST, raw)
                 os.fsync(dirfd)
                 _check(self.lib.cuCheckpointOperationComplete(info.contents.handle))
             except (CallFailed, OSError, Refused) as exc:
@@ -359,7 +373,7 @@ class Storage:
         return "its GPU memory was put back: left locked"
 
     def _copy_out(self, r: CUcheckpointCustomStoragePerDeviceData, out: _Out, index: int,
-                  chunk: int) -> dict:
+                  chunk: int, reserve: int | None = None) -> dict:
         lib, count = self.lib, -(-r.size // chunk)
         bufs = [self._pinned(chunk) for _ in range(2 if count > 1 else 1)]
         digests: list[str] = []
@@ -381,6 +395,7 @@ class Storage:
                                   ).cast("B")
                 digest = _hash(out.digest, data)
                 digests.append(digest)
+                _give_back(reserve, n)  # at most n is written: dedupe and zstd only shrink it
                 stored.append(out.put(_chunk_name(index, k), data, digest))
         finally:
             for b in bufs:
@@ -737,6 +752,36 @@ def _chunk_name(index: int, k: int) -> str:
 
 def _chunk_size(size: int, chunk: int, k: int) -> int:
     return min(chunk, size - k * chunk)
+
+
+def _open_reserve(directory: str) -> int | None:
+    """Pre-dump's preallocation of the GPU memory's space, beside the process
+    directories (core/manifest.py STORAGE_RESERVE), or None without one."""
+    try:
+        fd = os.open(os.path.join(os.path.dirname(directory), RESERVE),
+                     os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _give_back(reserve: int | None, n: int) -> None:
+    """Shrink the reservation by `n` bytes just before writing as many: the
+    space stays held for the copy-out until it is written, so a disk filled
+    by someone else meanwhile cannot fail it. Processes copied out in
+    parallel share the file: one shrink at a time."""
+    if reserve is None:
+        return
+    import fcntl
+
+    fcntl.flock(reserve, fcntl.LOCK_EX)
+    try:
+        os.ftruncate(reserve, max(0, os.fstat(reserve).st_size - n))
+    finally:
+        fcntl.flock(reserve, fcntl.LOCK_UN)
 
 
 def _write(dirfd: int, name: str, data: object) -> None:
