@@ -423,3 +423,25 @@ def test_install_places_the_agent_unit_not_enabled_and_uninstall_removes_it(tmp_
     assert not list(root.glob("etc/systemd/system/*.wants/cudahook-agent.service"))
     rc, _, _ = run(root, "uninstall", prefix)
     assert rc == 0 and not unit.exists()
+
+
+def test_the_agent_serves_the_storage_path(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """GPU memory straight into the image (CUDA 13.4+ custom storage) through
+    the agent's warm workers: checkpoint into chunk files, restore from them."""
+    node = make_node(driver=580)
+    node.lab.set(cuda_version=13040)
+    pids = workloads(node, 2)
+    settings = node.lab.settings(backend="driver-api")
+    storage = {p: str(tmp_path / str(p)) for p in pids}
+    with running_agent(settings):
+        for name, state in (("checkpoint", "checkpointed"), ("restore", "running")):
+            host = Host()
+            backend = make_backend(settings, host)
+            try:
+                result = getattr(Engine(backend, settings, host), name)(pids, storage=storage)
+            finally:
+                backend.close()
+            assert result.final == {p: state for p in pids}, result.errors
+            assert (backend.agent_sessions, backend.attaches) == (1, 0)
+            assert all(os.path.exists(os.path.join(d, "manifest.json")) for d in storage.values())
+    healthy(node, 2)

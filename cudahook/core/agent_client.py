@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 SOCKET = "agent.sock"
 PIDFILE = "agent.pid"
 LOCKFILE = "agent.lock"
-# The calls a worker serves, and the fields of a call passed on to it.
-OPS = ("get-state", "get-restore-tid", "lock", "checkpoint", "restore", "unlock")
-FIELDS = ("op", "pid", "timeout_ms", "pairs")
+# The calls a worker serves, and the fields of a call passed on to it
+# (custom storage's: the process's directory in the image, the chunk size).
+OPS = ("get-state", "get-restore-tid", "lock", "checkpoint", "restore", "unlock",
+       "storage-checkpoint", "storage-restore")
+FIELDS = ("op", "pid", "timeout_ms", "pairs", "dir", "chunk")
 # Past a call's deadline the agent answers "lost" first; the client's own
 # deadline comes this much later (it only fires for an agent that hangs).
 CLIENT_GRACE_S = 1.0
