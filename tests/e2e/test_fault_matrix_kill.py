@@ -154,6 +154,9 @@ STORAGE_CASES = [
       for k in ("script", "group", "helper")],
     Case("pre-dump", "copy-out", "driver-api", "worker", mode="agent-storage"),
     Case("pre-dump", "verify", "driver-api", "script", mode="storage"),
+    # Then the guardian, mid copy-in of its restore from storage: its
+    # successor brings the workload back.
+    Case("pre-dump", "verify", "driver-api", "guardian", mode="storage"),
     *[Case("post-resume", "copy-in", "driver-api", k, mode="storage") for k in ("script", "helper")],
     Case("post-resume", "copy-in", "driver-api", "worker", mode="agent-storage"),
 ]
@@ -239,7 +242,8 @@ def _in_flight(env: Env, call: str, phase: str) -> bool:
         rules = json.loads((env.lab.root / "faults.json").read_text())
     except (OSError, ValueError):
         return False
-    return bool(rules) and all(r.get("times", 1) <= 0 for r in rules)
+    mine = [r for r in rules if r.get("action") == call]
+    return bool(mine) and all(r.get("times", 1) <= 0 for r in mine)
 
 
 def _sim_state(host_pid: int) -> str:
@@ -424,6 +428,22 @@ def _slow(env: Env, case: Case) -> None:
     else:
         env.lab.fault(call, "delay", seconds=DELAY_S, tag=VICTIM, times=1,
                       **({"skip": skip} if skip else {}))
+    if case.kill == "guardian":  # its restore from storage, once the hook is dead
+        env.lab.fault("copy-in", "delay", seconds=DELAY_S, tag=VICTIM, times=1)
+
+
+def _kill_guardian(env: Env) -> None:
+    """Once the guardian's copy-in is in flight, SIGKILL the guardian making
+    it (the one with a driver-API helper)."""
+    deadline = time.monotonic() + 60
+    while not _in_flight(env, "copy-in", "pre-dump"):
+        assert time.monotonic() < deadline, "the guardian never restored from storage"
+        time.sleep(0.02)
+    helper = f"driver_helper.py {env.lab.libcuda}".encode()
+    making = {_ppid(p) for p in _pids() if helper in _read(p, "cmdline").replace(b"\0", b" ")}
+    guardians = [p for p in making if b"cudahook.flow.guardian" in _read(p, "cmdline")]
+    assert len(guardians) == 1, guardians
+    os.kill(guardians[0], signal.SIGKILL)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
@@ -454,6 +474,8 @@ def _killed_checkpoint(node: Node, case: Case, tmp_path: Path) -> None:
     try:
         _kill_hook(node, case, dump, done, others, box.pids[VICTIM])
         assert_calls_end(node)
+        if case.kill == "guardian":
+            _kill_guardian(env)
     finally:
         env.lab.clear_faults()
         dump.join(120)
@@ -469,6 +491,9 @@ def _killed_checkpoint(node: Node, case: Case, tmp_path: Path) -> None:
     assert [e for e in env.events("checkpoint") if "error" not in e] == []
     guardians = [e for e in env.events("guardian") if "error" in e or "unsafe" in e]
     assert guardians == [], guardians
+    if case.kill == "guardian":  # its successor did its work
+        resumed = [e for e in env.events("guardian") if "resumed" in e.get("outcome", "")]
+        assert len(resumed) == 1, env.events("guardian")
     if case.kill in ("helper", "worker", "agent"):
         # The hook lived on: its phase failed on the lost call, and rolled
         # back (in a fresh per-phase helper when the agent's session was
