@@ -26,7 +26,9 @@ from checkpointed: the checkpoint dropped their VMM mappings. Failing that,
 it says so: the result is recorded unsafe, never "resumed".
 
 While it lives, its marker in the state directory names it, so that a new
-checkpoint of the same container waits for it (see `pending`).
+checkpoint of the same container waits for it (see `pending`). Before its
+first driver call it arms a successor, which takes over if it is killed
+before it finished (`_relay`).
 
 The restore side has its watcher (`watch_restore`), armed at post-restore
 before the tasks run: once CRIU and the post-resume action script are gone,
