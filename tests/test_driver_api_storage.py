@@ -299,9 +299,16 @@ def test_a_helper_killed_mid_copy_ends_the_operation_with_the_workload_intact(
     t = threading.Thread(target=run)
     t.start()
     mid = "checkpointing" if side == "checkpoint" else "restoring"
+
+    def fired() -> bool:
+        try:  # read while the simulator rewrites it: an empty file is no answer
+            rules = json.loads((node.lab.root / "faults.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(rules) and rules[0].get("times", 1) <= 0
+
     deadline = time.monotonic() + 20
-    while not (json.loads((node.lab.root / "faults.json").read_text() or "[]")[0]
-               .get("times", 1) <= 0 and state_of(node, pid) == mid):
+    while not (fired() and state_of(node, pid) == mid):
         assert time.monotonic() < deadline and t.is_alive(), (errors, state_of(node, pid))
         time.sleep(0.02)
     helper = api._helper
