@@ -152,7 +152,10 @@ AGENT_CASES = [Case(phase, step, "driver-api", kill, mode="agent")
 STORAGE_CASES = [
     *[Case("pre-dump", "copy-out", "driver-api", k, mode="storage")
       for k in ("script", "group", "helper")],
-    Case("pre-dump", "copy-out", "driver-api", "worker", mode="agent-storage"),
+    # With the agent: its worker alone, or the hook (the agent then ends
+    # the worker of the session it left with a call in flight).
+    *[Case("pre-dump", "copy-out", "driver-api", k, mode="agent-storage")
+      for k in ("worker", "script")],
     Case("pre-dump", "verify", "driver-api", "script", mode="storage"),
     # Then the guardian, mid copy-in of its restore from storage: its
     # successor brings the workload back.
