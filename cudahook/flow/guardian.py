@@ -400,7 +400,7 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
     # or a call the signal missed, is ended here before any state is read.
     stuck = _end_calls(ctx, args, cid)
     # CRIU's own dump time, as seen from here: pre-dump's end to CRIU's exit.
-    if isinstance(handed_over, (int, float)):
+    if isinstance(handed_over, (int, float)) and not args.get("after"):  # counted once
         results.count(ctx, cid or "",
                       {"criu-dump": {"criu_dump_s": max(0.0, time.time() - handed_over)}})
     keep = args.get("vmm")
