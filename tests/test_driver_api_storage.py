@@ -461,3 +461,75 @@ def test_with_dedupe_off_every_chunk_is_a_file_of_its_own(make_node, tmp_path) -
         api.close()
     st = healthy_after_restore(node, "w")
     assert st["intact"] and not st["errors"]
+
+
+@pytest.mark.parametrize("side", ["checkpoint", "restore"])
+def test_a_helper_killed_mid_copy_ends_the_operation_with_the_workload_intact(
+        make_node, tmp_path, side: str) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL of the helper holding a custom-storage operation open (mid
+    copy-out, before cuCheckpointOperationComplete; or mid copy-in): the
+    driver ends the operation with the caller's context, as one that failed
+    inside its call - locked with its memory (checkpoint side) or still
+    checkpointed from the image (restore side) - and a retry brings it back."""
+    import os
+    import signal
+    import threading
+    import time
+
+    node = storage_node(make_node)
+    if side == "checkpoint":
+        node.spawn("w", mib=4, check_after_restore=True)
+        pid = node.lab.wait_counter("w", 2)["pid"]
+        api = storage_api(node)
+        api.lock(pid, 0)
+        image = tmp_path / "image"
+        call = lambda: api.checkpoint_to_storage(pid, str(image), chunk=1 << 20)  # noqa: E731
+    else:
+        pid, image, api = checkpointed_to_storage(node, tmp_path)
+        call = lambda: api.restore_from_storage(pid, str(image))  # noqa: E731
+    copy = "copy-out" if side == "checkpoint" else "copy-in"
+    node.lab.fault(copy, "delay", seconds=30, skip=2, times=1)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    mid = "checkpointing" if side == "checkpoint" else "restoring"
+
+    def fired() -> bool:
+        try:  # read while the simulator rewrites it: an empty file is no answer
+            rules = json.loads((node.lab.root / "faults.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(rules) and rules[0].get("times", 1) <= 0
+
+    deadline = time.monotonic() + 20
+    while not (fired() and state_of(node, pid) == mid):
+        assert time.monotonic() < deadline and t.is_alive(), (errors, state_of(node, pid))
+        time.sleep(0.02)
+    helper = api._helper
+    assert helper is not None
+    os.killpg(helper.proc.pid, signal.SIGKILL)
+    t.join(10)
+    assert not t.is_alive() and errors, "the call did not fail with its helper"
+    node.lab.clear_faults()
+    deadline = time.monotonic() + 5
+    want = "locked" if side == "checkpoint" else "checkpointed"
+    while state_of(node, pid) != want:
+        assert time.monotonic() < deadline, state_of(node, pid)
+        time.sleep(0.02)
+    try:
+        if side == "restore":  # the image is as it was: a retry restores from it
+            api.restore_from_storage(pid, str(image))
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w") if side == "restore" else None
+    if st is None:
+        st = node.lab.wait_counter("w", node.lab.status("w")["counter"] + 3)
+    assert st["intact"] and not st["errors"], st

@@ -221,7 +221,8 @@ class Agent:
         with self.lock:
             while self.idle:
                 worker = self.idle.pop()
-                if not worker.dead:
+                # One killed while idle may not be marked dead yet: its exit says.
+                if not worker.dead and worker.proc.poll() is None:
                     break
             else:
                 worker = None

@@ -412,11 +412,14 @@ def _lock_all(cp: Checkpoint) -> Any:
     failed it tries again). The engine's result, or the exit code.
     Undo from here on: restore every process."""
     ctx, cid = cp.ctx, cp.cid
-    cp.run.step(steps.LOCKING)
     if cp.storage:
         # Where the GPU memory is, by its real path: a guardian bringing the
-        # processes back after a failed dump restores from there.
-        cp.run["gpu_storage"] = {str(pid): _real(d) for pid, d in cp.storage.items()}
+        # processes back after a failed dump restores from there. Written
+        # before the first lock: this script may be killed at any point
+        # after it, and a guardian without it restores from host memory,
+        # which a storage checkpoint left empty (the driver refuses).
+        cp.run.note("gpu_storage", {str(pid): _real(d) for pid, d in cp.storage.items()})
+    cp.run.step(steps.LOCKING)
     try:
         result = ctx.engine.checkpoint(cp.procs, fresh_states=True, storage=cp.storage or None)
     except PhaseError as exc:

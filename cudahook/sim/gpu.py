@@ -97,6 +97,21 @@ class Mapping:
     owner: Client  # the process whose memory it is
     sizes: list[int]
     charged: int = 0  # device memory charged for it (a restore's range)
+    mapper: Client | None = None  # the checkpointer's context that mapped it
+
+
+def _end_orphaned(pid: int, token: str) -> None:
+    """A custom-storage operation whose checkpointer went away (its context's
+    connection closed: the process exited, or was killed) before completing
+    it. The API has no abort, and what a driver does then is not documented;
+    the simulator models the driver tearing the caller's context down: the
+    operation ends as one that failed inside its call does (`storage-cancel`,
+    the target back to locked with its memory, or to checkpointed), never
+    left open. A target already past the operation refuses: nothing changes."""
+    from .tool import _ask
+
+    with contextlib.suppress(Exception):
+        _ask(pid, {"op": "storage-cancel", "token": token})
 
 
 def memfd(size: int, name: str = "cudahook-sim-device-memory") -> int:
@@ -199,11 +214,15 @@ class GpuService:
                 freed = sum(len(b) for b in client.buffers.values())
                 dev.used -= freed
                 dev.users.pop(client.pid, None)
+            orphaned = [(t, m.owner.pid) for t, m in self.mappings.items()
+                        if client and m.mapper is client and m.owner is not client]
             if client:
                 for handle in list(client.buffers):
                     self._drop(client, handle)
                 for token in [t for t, m in self.mappings.items() if m.owner is client]:
                     self._unmap(token)
+        for token, pid in orphaned:
+            threading.Thread(target=_end_orphaned, args=(pid, token), daemon=True).start()
 
     def _unmap(self, token: str) -> None:
         """Forget a custom-storage range (self.lock held): its memfd closes here;
@@ -425,6 +444,7 @@ class GpuService:
         if op == "map":
             if client.device is not m.device:
                 raise CudaError(INVALID_CONTEXT, "the range is on another GPU")
+            m.mapper = client
             return {"size": m.size, "_fd": os.dup(m.fd)}
         if m.owner is not client:
             raise CudaError(INVALID_VALUE, "not this process's mapping")
