@@ -36,7 +36,7 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,7 @@ from cudahook.platform.errors import (
 from . import archive as ar
 
 if TYPE_CHECKING:
-    from cudahook.core.manifest import Manifest
+    from cudahook.core.manifest import Manifest, StoredFile
 
 MANIFEST = "checkpoint/cudahook-manifest.json"
 SPEC_FILES = ("spec.dump", "config.dump")
@@ -461,8 +461,8 @@ def verify_files(m: Manifest, hashed: dict[str, tuple[str, int]],
     return 0
 
 
-def _check_in_copy(copy: Path, at: dict[str, tuple[int, int]], files: list[Any],
-                   differs: Any) -> None:
+def _check_in_copy(copy: Path, at: dict[str, tuple[int, int]], files: list[StoredFile],
+                   differs: Callable[[str, str], NotRestorableHere]) -> None:
     """Each of `files` read back from the copy this run wrote, and checked by
     the driver helper's own rule (digest of the raw bytes, decompression
     never past the raw size)."""
