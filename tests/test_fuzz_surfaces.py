@@ -192,6 +192,11 @@ SPEC = {"ociVersion": "1.0.0", "process": {"env": ["PATH=/bin", f"NVIDIA_VISIBLE
 GOOD_MANIFEST = {"version": 1, "container_id": "c", "driver_version": "580.65.06", "gpus": [U0],
                  "vmm": False, "processes": [{"nspid": 7, "pid": 4242, "state": "running"}]}
 MANIFEST = "checkpoint/cudahook-manifest.json"
+# GPU memory in storage, deduplicated: process 8's chunk a hard link to 7's.
+GPU = "checkpoint/cudahook-gpu"
+CHUNK_A, CHUNK_B = f"{GPU}/7/gpu0-000000.chunk", f"{GPU}/8/gpu0-000000.chunk"
+CHUNK_NAMES = [CHUNK_A, CHUNK_B, f"{GPU}/7", f"./{GPU}//7/./gpu0-000000.chunk",
+               f"{GPU}/8/../7/gpu0-000000.chunk", f"{GPU}/../{GPU}/8/x.chunk", f"/{CHUNK_A}"]
 # Names a checkpoint holds, the same names in other spellings, and names no
 # checkpoint holds.
 NAMES = st.one_of(st.sampled_from([
@@ -200,7 +205,8 @@ NAMES = st.one_of(st.sampled_from([
     "checkpoint/./cudahook-manifest.json", "checkpoint/../spec.dump", "./checkpoint/pages-1.img",
     "../spec.dump", "/etc/passwd", "/spec.dump", "a/../../x", "./", "/", ".", "..", "x\ny",
     "\x1b[31mred", "ctl\x07", "é/ü", "\u202espec.dump", "a" * 300,
-    "checkpoint/" + "d/" * 60 + "f", "spec.dump/", "checkpoint/pages-1.img\x00x"]),
+    "checkpoint/" + "d/" * 60 + "f", "spec.dump/", "checkpoint/pages-1.img\x00x",
+    *CHUNK_NAMES]),
     st.text(max_size=20))
 KINDS = {"reg": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE,
          "lnk": tarfile.LNKTYPE, "chr": tarfile.CHRTYPE, "blk": tarfile.BLKTYPE,
@@ -255,7 +261,8 @@ def member(draw: st.DrawFn) -> dict[str, Any]:
                  MANIFEST: manifest_value()}.get(key, st.binary(max_size=64)))
     return {"name": name, "kind": kind, "data": data,
             "size": draw(st.sampled_from([None] * 8 + ["huge", "short", "long"])),
-            "linkname": draw(st.sampled_from(["/etc/shadow", "../../x", "spec.dump", ""]))}
+            "linkname": draw(st.sampled_from(["/etc/shadow", "../../x", "spec.dump", "",
+                                              "checkpoint/pages-1.img", *CHUNK_NAMES]))}
 
 
 def header(m: dict[str, Any], fmt: int) -> bytes:
@@ -304,6 +311,11 @@ def migrate_case(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         members.append({"name": MANIFEST, "kind": "reg", "data": draw(manifest_value()),
                         "size": None, "linkname": ""})
+    if draw(st.booleans()):  # a deduplicated chunk: the one hard link a checkpoint holds
+        members += [{"name": CHUNK_A, "kind": "reg", "data": b"c" * 700, "size": None,
+                     "linkname": ""},
+                    {"name": CHUNK_B, "kind": "lnk", "data": b"", "size": None,
+                     "linkname": draw(st.sampled_from([CHUNK_A, *CHUNK_NAMES]))}]
     for _ in range(draw(st.integers(0, 3))):
         members.insert(draw(st.integers(0, len(members))), draw(member()))
     if draw(st.integers(0, 9)) == 0:  # some members dropped: a spec file missing
@@ -386,11 +398,17 @@ def hostile_by_construction(case: dict[str, Any]) -> list[str]:
             trust == "keys-dir" and sig not in ("good", "none")):
         why.append(f"signature {sig} where {trust}")
     seen: set[str] = set()
+    regular: set[str] = set()  # what a chunk's link may name: an earlier file, no link
     for m in case["members"]:
         name = m["name"]
         norm = posixpath.normpath(name) if name else name
-        if m["kind"] in FORBIDDEN_KINDS:
+        if m["kind"] == "lnk":
+            if not chunk_link_kept(m, regular):
+                why.append(f"member {name!r} is a link to {m['linkname']!r}")
+        elif m["kind"] in FORBIDDEN_KINDS:
             why.append(f"member {name!r} is {m['kind']}")
+        if m["kind"] == "reg" and canonical(name) is not None:
+            regular.add(canonical(name) or "")
         if name.startswith("/") or norm == ".." or norm.startswith("../"):
             why.append(f"member {name!r} escapes")
         if norm in seen and norm not in ("", "."):
@@ -401,6 +419,21 @@ def hostile_by_construction(case: dict[str, Any]) -> list[str]:
     if case["compress"] != "none" and case["cut"]:
         why.append("gzip stream cut short")
     return why
+
+
+def canonical(name: str) -> str | None:
+    """`name` as the archive reader decides on it (None: refused)."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    return None if name.startswith("/") or ".." in parts else "/".join(parts)
+
+
+def chunk_link_kept(m: dict[str, Any], regular: set[str]) -> bool:
+    """The one hard link a checkpoint may hold: a GPU-memory chunk's, with
+    no data, to an earlier regular file of cudahook-gpu/."""
+    name, target = canonical(m["name"]), canonical(m["linkname"])
+    return (name is not None and name.startswith(GPU + "/") and target is not None
+            and target.startswith(GPU + "/") and target in regular
+            and m["size"] in (None, "short"))
 
 
 def lay_sidecar(path: Path, kind: str, good: str) -> None:

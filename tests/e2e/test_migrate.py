@@ -546,8 +546,10 @@ def test_storage_path_archive_carries_the_chunks(nodes: Any, tmp_path: Path, cap
                  ("mp", {"mib": 2, "procs": 2, "check_after_restore": True})]
     _, tags, archive, frozen = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit", workloads)
     with tarfile.open(archive) as t:
-        files = [(x.name, x.size) for x in t.getmembers()
-                 if x.isfile() and x.name.startswith("checkpoint/")]
+        sizes = {x.name: x.size for x in t.getmembers() if x.isfile()}
+        # A deduplicated chunk (a hard link) counts as the bytes it holds.
+        files = [(x.name, sizes[x.linkname] if x.islnk() else x.size) for x in t.getmembers()
+                 if (x.isfile() or x.islnk()) and x.name.startswith("checkpoint/")]
         raw = t.extractfile("checkpoint/" + manifest.NAME)
         assert raw is not None
         m = manifest.parse(raw.read())
@@ -559,12 +561,15 @@ def test_storage_path_archive_carries_the_chunks(nodes: Any, tmp_path: Path, cap
     assert gpu >= m.gpu_storage.bytes >= 44 << 20 and criu < m.gpu_storage.bytes
 
     solo = next(p for p in m.gpu_storage.processes if len(p.files()) > 1)
-    chunk = f"{manifest.STORAGE_DIR}/{solo.nspid}/gpu0-000001.chunk"
+    # A chunk stored as a file (the solo's equal chunks are links to its first).
+    chunk = next(f"{manifest.STORAGE_DIR}/{solo.nspid}/{f.name}" for f in solo.files()
+                 if f"checkpoint/{manifest.STORAGE_DIR}/{solo.nspid}/{f.name}" in sizes)
     bad = with_flipped_chunk(archive, tmp_path / "bad.tar", f"checkpoint/{chunk}")
     sh("sh", "-c", "sha256sum bad.tar > bad.tar.sha256", cwd=tmp_path)
     digest = hashlib.sha256(bad.read_bytes()).hexdigest()
     r = b.migrate("restore", str(bad), "--name", "bad")
-    assert_refused_cleanly(b, r, Exit.NOT_HERE, f"{chunk!r}: sha256 or size differs")
+    assert_refused_cleanly(b, r, Exit.NOT_HERE,
+                           f"{chunk!r}: {m.gpu_storage.digest} or size differs")
     assert b.events("post-restore") == []  # refused before podman ran
     assert hashlib.sha256(bad.read_bytes()).hexdigest() == digest
     assert counters(b.lab, tags) == {t: 0 for t in tags}
@@ -574,4 +579,81 @@ def test_storage_path_archive_carries_the_chunks(nodes: Any, tmp_path: Path, cap
     assert json.loads(r.stdout)["device_map"] == {a.lab.uuids[0]: b.lab.uuids[0]}
     reports = wait_healthy(b.lab, tags, frozen)
     assert {st["gpu"] for st in reports.values()} == {b.lab.uuids[0]}
+    assert all(st.get("checked_restores", 0) >= 1 for st in reports.values()), reports
+
+
+#: podman, with `--keep` added to a restore: the checkpoint it imported stays
+#: in the container's directory for the test to look at.
+KEEP_PODMAN = """
+import os, sys
+argv = sys.argv[1:]
+for i in range(len(argv) - 1):
+    if argv[i:i + 2] == ["container", "restore"]:
+        argv.insert(i + 2, "--keep")
+        break
+os.execv(argv[0], argv)
+"""
+
+
+def test_storage_path_deduplicated_chunks_cross_as_hard_links(nodes: Any, tmp_path: Path,
+                                                             capsys) -> None:  # type: ignore[no-untyped-def]
+    """`gpu_storage_dedupe` (the default): processes holding the same weights
+    store each shared chunk once, the others hard links to it, and podman's
+    export holds those as tar hard links. migrate carries them as links (each
+    checked as the chunk the manifest names) and node B restores every
+    process intact from an image where the shared chunks are still one file."""
+    import tarfile
+
+    a = nodes("a", seed="node-a", gpu_memory="storage")
+    b = nodes("b", seed="node-b", gpu_memory="storage")
+    workloads = [("replica", {"mib": 20, "procs": 3, "same_weights": True, "content": "random",
+                              "check_after_restore": True})]
+    _, tags, archive, frozen = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit", workloads)
+    with tarfile.open(archive) as t:
+        members = t.getmembers()
+        raw = t.extractfile("checkpoint/" + manifest.NAME)
+        assert raw is not None
+        m = manifest.parse(raw.read())
+    assert m.gpu_storage is not None and len(m.gpu_storage.processes) == 3
+    gpu = f"checkpoint/{manifest.STORAGE_DIR}/"
+    links = {x.name: x.linkname for x in members if x.islnk()}
+    chunks = [x.name for x in members if x.isfile() and x.name.endswith(".chunk")]
+    # Three processes, the same weights: their first (full) chunk stored once,
+    # the others' a link to it.
+    assert len(links) >= 2, (links, chunks)
+    assert all(n.startswith(gpu) and t in chunks for n, t in links.items())
+    names = {t: 1 + list(links.values()).count(t) for t in links.values()}
+    with capsys.disabled():
+        print(f"\nmigrate (deduplicated): {len(chunks)} chunk file(s), {len(links)} hard link(s) "
+              f"in the export, {archive.stat().st_size / 2**20:.1f} MiB")
+
+    wrapper = tmp_path / "keep-podman.py"
+    wrapper.write_text(KEEP_PODMAN)
+    r = b.cudahook("migrate", "restore", str(archive), "--json", "--podman",
+                   f"{sys.executable} {wrapper} {b.podman.command()}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["device_map"] == {a.lab.uuids[0]: b.lab.uuids[0]}
+    reports = wait_healthy(b.lab, tags, frozen)
+    assert {st["gpu"] for st in reports.values()} == {b.lab.uuids[0]}
+    assert all(st.get("checked_restores", 0) >= 1 for st in reports.values()), reports
+
+    # The image podman unpacked on B: each shared chunk one file, a name per process.
+    kept = Path(b.podman.inspect(out["container"])["StaticDir"]) / "checkpoint"
+    count = ("import os, sys, json; d = sys.argv[1]; print(json.dumps({os.path.relpath(os.path"
+             ".join(r, f), d): (os.lstat(os.path.join(r, f)).st_nlink, os.lstat(os.path.join(r, "
+             "f)).st_ino) for r, _, fs in os.walk(d) for f in fs if f.endswith('.chunk')}))")
+    res = subprocess.run(b.ns.wrap([sys.executable, "-c", count, str(kept)]),
+                         capture_output=True, text=True, timeout=60, check=True)
+    on_b = json.loads(res.stdout)
+    assert len(on_b) == len(chunks) + len(links), on_b
+    for name, target in links.items():
+        here, there = on_b[name.removeprefix("checkpoint/")], on_b[target.removeprefix(
+            "checkpoint/")]
+        assert here[1] == there[1] and here[0] == names[target], (name, here, there)
+
+    # podman's own --import takes the export as it is, links and all (on A,
+    # whose GPUs its spec names).
+    a.podman("container", "restore", "--import", str(archive), "--name", "plain-import")
+    reports = wait_healthy(a.lab, tags, frozen)
     assert all(st.get("checked_restores", 0) >= 1 for st in reports.values()), reports

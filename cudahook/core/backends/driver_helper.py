@@ -835,6 +835,21 @@ def read_chunk(dirfd: int, name: str, size: int, zstd: int, kind: str, digest: s
             done += got
     finally:
         os.close(fd)
+    _check_raw(name, raw, out, zstd, kind, digest)
+
+
+def check_stored(name: str, stored: memoryview, size: int, zstd: int, kind: str,
+                 digest: str) -> None:
+    """A chunk's bytes as stored (`zstd`: its compressed size, else raw),
+    read by the caller, checked as `read_chunk` checks them."""
+    if len(stored) != (zstd or size):
+        raise Mismatch(f"{name}: {len(stored)} bytes, not {zstd or size}")
+    _check_raw(name, stored, memoryview(bytearray(size)) if zstd else stored, zstd, kind,
+               digest)
+
+
+def _check_raw(name: str, raw: memoryview, out: memoryview, zstd: int, kind: str,
+               digest: str) -> None:
     if zstd:
         try:
             _decompress(raw, out)
