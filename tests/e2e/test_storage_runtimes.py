@@ -80,6 +80,14 @@ def split_sizes(members: Iterable[tuple[str, int]]) -> tuple[int, int]:
     return criu, gpu
 
 
+def tar_files(t: tarfile.TarFile, under: str = "") -> list[tuple[str, int]]:
+    """The files of a tar (under `under`), with their sizes; a hard link (a
+    deduplicated chunk) counts as the bytes it holds."""
+    sizes = {m.name: m.size for m in t.getmembers() if m.isfile()}
+    return [(m.name, sizes[m.linkname] if m.islnk() else m.size) for m in t.getmembers()
+            if (m.isfile() or m.islnk()) and m.name.startswith(under)]
+
+
 def dir_files(root: Path) -> list[tuple[str, int]]:
     return [(str(p.relative_to(root)), p.lstat().st_size) for p in root.rglob("*")
             if p.is_file()]
@@ -115,7 +123,7 @@ def content_checkpoint(c: Containerd, ref: str) -> list[tuple[str, int]]:
     r = subprocess.run(c.ctr_cmd("content", "get", blob), env=c.env, stdin=subprocess.DEVNULL,
                        capture_output=True, timeout=120, check=True)
     with tarfile.open(fileobj=io.BytesIO(r.stdout)) as t:
-        return [(m.name, m.size) for m in t.getmembers() if m.isfile()]
+        return tar_files(t)
 
 
 def nothing_kept(*dirs: Path, timeout: float = 10) -> None:
@@ -281,8 +289,8 @@ def test_podman_storage_export_and_a_flipped_chunk(node: Node, podman: Podman,  
         podman("container", "checkpoint", "--export", str(archive), "--compress", "none", name)
         frozen = node.frozen(tags, tree)
         with tarfile.open(archive) as t:
-            files = [(x.name, x.size) for x in t.getmembers()
-                     if x.isfile() and x.name.startswith("checkpoint/")]
+            stored = {x.name for x in t.getmembers() if x.isfile()}
+            files = tar_files(t, "checkpoint/")
             raw = t.extractfile("checkpoint/" + manifest.NAME)
             assert raw is not None
             m = manifest.parse(raw.read())
@@ -293,7 +301,10 @@ def test_podman_storage_export_and_a_flipped_chunk(node: Node, podman: Podman,  
         podman("rm", "-f", "-t", "0", name)
 
         solo = next(p for p in m.gpu_storage.processes if len(p.files()) > 1)
-        member = f"checkpoint/{manifest.STORAGE_DIR}/{solo.nspid}/gpu0-000001.chunk"
+        # A chunk stored as a file (the solo's equal chunks are links to its first).
+        member = next(f"checkpoint/{manifest.STORAGE_DIR}/{solo.nspid}/{f.name}"
+                      for f in solo.files()[1:]
+                      if f"checkpoint/{manifest.STORAGE_DIR}/{solo.nspid}/{f.name}" in stored)
         bad = with_flipped_chunk(archive, tmp_path / "bad.tar", member)
         digest = sha256(bad)
         r = podman("container", "restore", "--import", str(bad), "--name", f"{name}-bad",
