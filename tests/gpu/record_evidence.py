@@ -80,6 +80,12 @@ from tests.gpu.gpulib import (  # noqa: E402
     pid_alive,
     unused_pid,
 )
+from tests.gpu.storage_edges import (  # noqa: E402
+    EDGES_BUDGET_S,
+    EDGES_NEED_S,
+    small_workloads,
+    storage_edges,
+)
 
 RUNNING, LOCKED, CHECKPOINTED = "running", "locked", "checkpointed"
 OTHER_UUID = "GPU-11111111-2222-3333-4444-555555555555"  # a well-formed UUID of no GPU
@@ -675,6 +681,19 @@ class Recorder:
         if got["supported"] and not got.get("intact"):
             raise AssertionError(f"not intact after a custom-storage round trip: {got}")
 
+    def storage_edges(self) -> None:
+        """CUDA 13.4+ custom storage at its edges (tests/gpu/storage_edges.py):
+        the caller killed mid-checkpoint and mid-restore, OperationComplete
+        twice / stale / NULL, a second operation while one is open, no
+        retained context, a caller on itself. Each probe's outcome is data
+        for test_storage_evidence.py to hold the simulator to."""
+        if self.rig.sim:
+            self.rig.lab.set(cuda_version=13040)
+        spawn = small_workloads(self.rig, max(10.0, min(180.0, self.left())))
+        self.data["storage_edges"] = storage_edges(
+            self.rig, spawn, budget_s=max(10.0, min(EDGES_BUDGET_S, self.left() - 15)),
+            call_timeout=min(60.0, self.call_timeout_s))
+
     def end(self) -> None:
         """Every CUDA workload back to running, then its status; failures are the finding."""
         final: dict[str, Any] = {}
@@ -847,6 +866,16 @@ def render_markdown(data: dict[str, Any]) -> str:
                          f"{m['restore_s']} s ({m['restore_gb_s']} GB/s); states "
                          f"{cs.get('state_after_checkpoint')} / {cs.get('state_after_restore')}; "
                          f"intact after: {cs.get('intact')}")
+    edges = data.get("storage_edges")
+    if edges:
+        lines += ["", "## Custom storage edges (tests/gpu/storage_edges.py)", "",
+                  f"- driver {edges.get('driver')}, CUDA {edges.get('cuda_version')}: supported "
+                  f"{edges.get('supported')} ({edges.get('why')}); {edges.get('seconds')} s"]
+        for name, got in (edges.get("probes") or {}).items():
+            what = got.get("outcome") or {k: v for k, v in got.items() if k != "seconds"}
+            lines.append(f"- **{name}** ({got.get('seconds')} s): {json.dumps(what)[:900]}")
+            for key, value in (got.get("detail") or {}).items():
+                lines.append(f"  - {key}: {json.dumps(value)[:300]}")
     lines += ["", "## Workloads at the end", ""]
     for name, w in data.get("workloads_end", {}).items():
         st = w.get("status", {})
@@ -930,12 +959,14 @@ def main(argv: list[str]) -> int:
             ("usage errors", rec.usage, {"sleep"}, 10, False),
             ("toggle round trip", rec.toggle, {"walk"}, 15, False),
             ("option forms, thread IDs, --timeout 0", rec.option_forms, {"walk"}, 20, True),
+            # The storage path's open questions about the driver come before the timings.
+            ("custom storage (CUDA 13.4+)", rec.custom_storage, set(), 30, True),
+            ("custom storage edges", rec.storage_edges, set(), EDGES_NEED_S, True),
             ("timing per GiB", rec.timing, {f"mem{g:g}" for g in sizes}, 30, True),
             ("get-state during checkpoint and restore", rec.poll_states,
              {f"mem{max(sizes):g}"}, 30, True),
             ("persistence mode", rec.persistence, set(), 10, False),
             ("R590 jobs", rec.jobs, set(), 30, True),
-            ("custom storage (CUDA 13.4+)", rec.custom_storage, set(), 30, True),
         ):
             with rec.step(name, need_s=need_s):
                 if not needs <= ready:
