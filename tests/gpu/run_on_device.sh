@@ -6,12 +6,15 @@
 # It finds python3 (with PyTorch or CuPy) and a real cuda-checkpoint, prints
 # the versions, records what the real tool does (tests/gpu/record_evidence.py)
 # and then runs the real-GPU tests. Everything lands in $OUT (default
-# /tmp/cudahook-gpu-out), flat, five files: run.log, evidence.json, evidence.md,
-# pytest.log, pytest-record.jsonl.
+# /tmp/cudahook-gpu-out), flat, six files: run.log, evidence.json, evidence.md,
+# pytest.log, pytest-record.jsonl, compare.log.
 #
-# Time: about 8 minutes at most (EVIDENCE_BUDGET_S + 60 for the recorder,
-# PYTEST_TIMEOUT_S for the tests; EVIDENCE_ARGS adds recorder options). Exit status: 3 when no cuda-checkpoint or
-# no GPU, else pytest's status, else the recorder's (1 if any step failed).
+# Time: 8.5 minutes at the very most (EVIDENCE_BUDGET_S + 60 for the recorder,
+# custom-storage edges included; PYTEST_TIMEOUT_S for the tests;
+# COMPARE_TIMEOUT_S for the simulator against the recorded edges; EVIDENCE_ARGS
+# adds recorder options). Exit status: 3 when no cuda-checkpoint or no GPU,
+# else pytest's status, else the recorder's (1 if any step failed); in --sim
+# mode, else the comparison's.
 #
 # cuda-checkpoint is looked for in $CUDAHOOK_REAL_CUDA_CHECKPOINT, on PATH, in
 # the driver's usual folders, and in .gpu-carry/ (a copy of NVIDIA's public
@@ -25,8 +28,10 @@ SIM=0
 cd "$(dirname "$0")/../.." || exit 3
 OUT=${OUT:-${TMPDIR:-/tmp}/cudahook-gpu-out}
 mkdir -p "$OUT"
-EVIDENCE_BUDGET_S=${EVIDENCE_BUDGET_S:-210}
-PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-180}
+EVIDENCE_BUDGET_S=${EVIDENCE_BUDGET_S:-240}
+PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-150}
+COMPARE_TIMEOUT_S=${COMPARE_TIMEOUT_S:-60}
+COMPARE=tests/gpu/test_storage_evidence.py
 
 is_elf() { [[ -f $1 && "$(head -c 4 "$1" | od -An -c | tr -d ' \n')" == '177ELF' ]]; }
 
@@ -73,12 +78,29 @@ run_sim() {
     local ev=$?
     echo "(record_evidence exit $ev)"
     echo "== pytest tests/gpu on the simulator"
-    CUDAHOOK_GPU_TEST_SIM=1 CUDAHOOK_GPU_RECORD=$OUT/pytest-record.jsonl timeout -k 10 "$PYTEST_TIMEOUT_S" \
-        "$py" -m pytest tests/gpu -x -q -rfEs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+    CUDAHOOK_GPU_TEST_SIM=1 CUDAHOOK_GPU_RECORD=$OUT/pytest-record.jsonl \
+        CUDAHOOK_GPU_EVIDENCE=$OUT/sim-evidence.json timeout -k 10 "$PYTEST_TIMEOUT_S" \
+        "$py" -m pytest tests/gpu -x -q -rfEs -p no:cacheprovider --ignore="$COMPARE" 2>&1 \
+        | tee "$OUT/pytest.log"
     local pt=${PIPESTATUS[0]}
     echo "(pytest exit $pt)"
+    compare_edges "$py" "$OUT/sim-evidence.json"
+    local cm=$?
     if ((pt != 0)); then return "$pt"; fi
-    return "$ev"
+    if ((ev != 0)); then return "$ev"; fi
+    return "$cm"
+}
+
+# The simulator held to the recorded custom-storage edges (needs a C compiler
+# for the simulator's libcuda; skipped without one: compare here afterwards
+# with CUDAHOOK_GPU_EVIDENCE=evidence.json pytest tests/gpu/test_storage_evidence.py).
+compare_edges() {
+    echo "== compare: the simulator against the recorded custom-storage edges ($2)"
+    CUDAHOOK_GPU_EVIDENCE=$2 timeout -k 10 "$COMPARE_TIMEOUT_S" \
+        "$1" -m pytest "$COMPARE" -q -rfEs -p no:cacheprovider 2>&1 | tee "$OUT/compare.log"
+    local rc=${PIPESTATUS[0]}
+    echo "(compare exit $rc)"
+    return "$rc"
 }
 
 main() {
@@ -164,10 +186,14 @@ EOF
     echo "(record_evidence exit $ev)"
 
     echo "== pytest tests/gpu (timeout ${PYTEST_TIMEOUT_S}s)"
-    CUDAHOOK_GPU_RECORD=$OUT/pytest-record.jsonl timeout -k 10 "$PYTEST_TIMEOUT_S" \
-        "$py" -m pytest tests/gpu -x -q -rfEs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+    CUDAHOOK_GPU_RECORD=$OUT/pytest-record.jsonl CUDAHOOK_GPU_EVIDENCE=$OUT/evidence.json \
+        timeout -k 10 "$PYTEST_TIMEOUT_S" \
+        "$py" -m pytest tests/gpu -x -q -rfEs -p no:cacheprovider --ignore="$COMPARE" 2>&1 \
+        | tee "$OUT/pytest.log"
     local pt=${PIPESTATUS[0]}
     echo "(pytest exit $pt)"
+    # A difference is a finding for the simulator, not a failure of this run.
+    compare_edges "$py" "$OUT/evidence.json"
 
     echo "== left behind (should be empty)"
     pgrep -af 'tests/gpu/workloads.py' || true

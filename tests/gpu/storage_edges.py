@@ -43,6 +43,7 @@ from cudahook.platform.host import Host
 
 from .gpulib import REPO_ROOT, Rig, Workload, _back_to_running, wait_for
 
+ENV_EVIDENCE = "CUDAHOOK_GPU_EVIDENCE"  # a recorder's evidence JSON from this run
 CALLER = Path(__file__).resolve().with_name("storage_caller.py")
 PROBES = ("caller_dies_checkpoint", "caller_dies_restore", "complete_twice", "second_open",
           "errors")
@@ -240,10 +241,12 @@ class Probes:
             finally:
                 c.kill()
             t0 = time.monotonic()
-            out["states_after_death"], detail["timeline"] = self.states_until_settled(
+            # Where it settles is compared; how soon, and what it passed on the
+            # way (a race with the first poll), is detail.
+            detail["states"], detail["timeline"] = self.states_until_settled(
                 pid, "restoring" if restore else "checkpointing")
             detail["settle_s"] = round(time.monotonic() - t0, 3)
-            final = out["states_after_death"][-1]
+            final = out["state_after_death"] = detail["states"][-1]
             if final == "locked":
                 out["unlock"] = self.attempt(lambda: self.api.unlock(pid))
                 out["intact_after_unlock"] = self.intact(wl)

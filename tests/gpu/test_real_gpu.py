@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +45,7 @@ from .gpulib import (
     real_gpu_skip_reason,
     wait_for,
 )
+from .storage_edges import ENV_EVIDENCE, small_workloads, storage_edges
 
 SIM = os.environ.get(ENV_SIM) == "1"
 SKIP = None if SIM else real_gpu_skip_reason()
@@ -311,6 +313,35 @@ def test_gpu_memory_straight_to_storage(lab: Lab, record: Callable[..., None],
     assert got["put_back"] == [] and got["intact"], got
     ((_, m),) = got["per_gpu"].items()
     assert m["bytes"] > 0 and m["checkpoint_gb_s"] and m["restore_gb_s"], m
+
+
+def test_custom_storage_edges(lab: Lab, record: Callable[..., None]) -> None:
+    """The driver at custom storage's edges (tests/gpu/storage_edges.py): a
+    caller killed mid-checkpoint and mid-restore, OperationComplete twice,
+    stale and NULL, a second operation while one is open, no retained
+    context, a caller on itself. What the driver does is the finding (kept
+    in the record, held against the simulator by test_storage_evidence.py);
+    the test fails when a probe breaks or leaves its workload not computing.
+    Skipped when record_evidence already probed this node in this run
+    ($CUDAHOOK_GPU_EVIDENCE), so one device run pays for the probes once."""
+    recorded = Path(os.environ.get(ENV_EVIDENCE) or "/nonexistent")
+    if recorded.is_file() and "storage_edges" in json.loads(recorded.read_text()):
+        pytest.skip(f"probed by record_evidence in this run: {recorded}")
+    if SIM:
+        lab.rig.lab.set(cuda_version=13040)
+    got = storage_edges(lab.rig, small_workloads(lab.rig, START_TIMEOUT))
+    record("custom-storage-edges", **got)
+    if not got["supported"]:
+        pytest.skip(f"no custom storage on this node: {got['why']} (driver {got['driver']})")
+    broken = {n: r for n, r in got["probes"].items() if "outcome" not in r}
+    assert not broken, broken
+    if SIM:  # the simulator's documented answers (docs/design.md, "Custom storage")
+        dies = got["probes"]["caller_dies_checkpoint"]["outcome"]
+        assert dies["state_after_death"] == "locked" and dies["intact_after_unlock"], dies
+        dies = got["probes"]["caller_dies_restore"]["outcome"]
+        assert dies["state_after_death"] == CHECKPOINTED, dies
+        assert dies["intact_after_new_restore"], dies
+        assert got["probes"]["errors"]["outcome"]["no_context"] == "CUDA_ERROR_INVALID_CONTEXT"
 
 
 def test_everything_ends_running_and_intact(lab: Lab, record: Callable[..., None]) -> None:
