@@ -89,17 +89,20 @@ class StorageCaller:
             self.kill()
             raise Gone(f"no answer to {what} in {self.timeout:.0f}s: killed") from None
         if not line:
+            self.lines.put(b"")  # every later command finds it gone too
             raise Gone(f"the caller exited ({self.proc.wait()}) during {what}")
         return dict(json.loads(line))
 
     def __call__(self, do: str, **args: Any) -> dict[str, Any]:
+        """The answer; a caller that hung (killed then) or died answers
+        "caller gone": on a real driver that is a finding, not a broken probe."""
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write((json.dumps({"do": do, **args}) + "\n").encode())
             self.proc.stdin.flush()
-        except OSError as exc:
-            raise Gone(f"the caller is gone: {exc}") from exc
-        return self._reply(do)
+            return self._reply(do)
+        except (OSError, Gone) as exc:
+            return {"rc": None, "error": "caller gone", "why": str(exc)}
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -193,6 +196,9 @@ class Probes:
         """The workload computes on and a memory check ran since now and passed
         (why not, when not, goes to `why`: texts are not compared)."""
         timeout = timeout or self.call_timeout
+        if wl.proc.poll() is not None:
+            self.why.append(f"{wl.name}: exited ({wl.proc.returncode}): {wl.log_tail(300)}")
+            return False
         try:
             before = wl.counters()
             checks = [int(s.get("checks", 0)) for s in wl.statuses()]
@@ -380,15 +386,19 @@ class Probes:
             out["no_context"] = code_of(bare)
             detail["no_context_text"] = bare.get("text")
             out["state_after_no_context"] = self.state(pid)
-            if bare.get("rc") == 0:  # the driver took it: finish it properly
+            if bare.get("rc") == 0:  # the driver took it: a round trip puts it back
                 c("retain")
                 c("copy-out", op=bare["op"])
                 c("complete", op=bare["op"])
+                back = c("restore", pid=pid)
+                if back.get("rc") == 0:
+                    c("copy-in", op=back["op"])
+                    c("complete", op=back["op"])
             c("retain")
             for what in ("checkpoint", "restore"):
                 own = c(what, pid=c.pid)
                 out[f"self_{what}"] = code_of(own)
-                detail[f"self_{what}_text"] = own.get("text")
+                detail[f"self_{what}_text"] = own.get("text") or own.get("why")
         finally:
             c.kill()
             detail["put_back"] = self.give_back(wl, self.where / "none")
