@@ -129,6 +129,7 @@ class Recorder:
         self.deadline = self.started + budget_s
         self.call_timeout_s = call_timeout_s
         self.sizes = sizes
+        self.edges_settle_s = 20.0  # after a custom-storage caller dies (--edges-settle-s)
         self.stem = "sim-evidence" if rig.sim else "evidence"
         self.major = 0
         self.features: dict[str, Any] = {}
@@ -692,7 +693,7 @@ class Recorder:
         spawn = small_workloads(self.rig, max(10.0, min(180.0, self.left())))
         self.data["storage_edges"] = storage_edges(
             self.rig, spawn, budget_s=max(10.0, min(EDGES_BUDGET_S, self.left() - 15)),
-            call_timeout=min(60.0, self.call_timeout_s))
+            call_timeout=min(60.0, self.call_timeout_s), settle_s=self.edges_settle_s)
 
     def end(self) -> None:
         """Every CUDA workload back to running, then its status; failures are the finding."""
@@ -906,6 +907,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=210.0, help="skip remaining steps after this")
     p.add_argument("--call-timeout-s", type=float, default=60.0, help="deadline per tool call")
     p.add_argument("--start-timeout-s", type=float, default=180.0, help="for workloads to start")
+    p.add_argument("--edges-settle-s", type=float, default=20.0,
+                   help="how long a custom-storage target is watched after its caller dies")
     return p.parse_args(argv)
 
 
@@ -939,6 +942,7 @@ def main(argv: list[str]) -> int:
     rig, tool = make_rig(args, workdir)
     rec = Recorder(rig, tool, args.out, budget_s=args.budget_s, call_timeout_s=args.call_timeout_s,
                    sizes=sizes)
+    rec.edges_settle_s = args.edges_settle_s
     try:
         with rec.step("environment", need_s=0):
             rec.environment()
