@@ -28,13 +28,15 @@ it says so: the result is recorded unsafe, never "resumed".
 While it lives, its marker in the state directory names it, so that a new
 checkpoint of the same container waits for it (see `pending`). Before its
 first driver call it arms a successor, which takes over if it is killed
-before it finished (`_relay`).
+before it finished (`_relay`). Killed earlier, while CRIU still dumps, it
+has none: a dump that then fails leaves the workload checkpointed (see
+docs/design.md, failure rules).
 
 The restore side has its watcher (`watch_restore`), armed at post-restore
 before the tasks run: once CRIU and the post-resume action script are gone,
 unless post-resume recorded a restore that succeeded, it ends the restore's
 driver calls and kills the container - a half-restored workload is never
-left running.
+left running. It arms its successor through the same relay, at its start.
 """
 
 from __future__ import annotations
