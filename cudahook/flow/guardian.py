@@ -388,7 +388,7 @@ def _took_over(ctx: Any, args: dict[str, Any], what: str,
     return True
 
 
-def _relay(ctx: Any, args: dict[str, Any], entry: str) -> tuple[int, int | None]:
+def _relay(ctx: Any, args: dict[str, Any], entry: str) -> tuple[int, int | None] | None:
     """Hazard: a guardian or a restore watcher can itself be SIGKILLed (the
     OOM killer) with work left: its calls die with it, and a restore from
     storage left half-way is ended by the driver with its caller - the
@@ -399,18 +399,26 @@ def _relay(ctx: Any, args: dict[str, Any], entry: str) -> tuple[int, int | None]
     and does the work again from the start from what it reads (ends the
     calls, reads every state afresh, restores what is locked or
     checkpointed, or kills the container: each step applies once). The
-    successor's (pid, start time)."""
+    successor's (pid, start time); None, said in the log, when it could not
+    be started: the work goes on without one (it matters more)."""
     me = os.getpid()
-    child = _detached(entry, {**args, "after": [me, ctx.host.start_time(me)]})
-    return child.pid, ctx.host.start_time(child.pid)
+    try:
+        child = _detached(entry, {**args, "after": [me, ctx.host.start_time(me)]})
+        return child.pid, ctx.host.start_time(child.pid)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            ctx.log("guardian" if entry == "main" else "restore-watcher",
+                    container=args.get("container"), warning=f"no successor armed: {exc}")
+        return None
 
 
 def _relay_guardian(ctx: Any, args: dict[str, Any]) -> None:
     """`_relay`, and the container's marker names the successor from now on,
     so a new checkpoint waits for it too."""
-    pid, start = _relay(ctx, args, "main")
+    successor = _relay(ctx, args, "main")
     key = args.get("key", args.get("container"))
-    if key:
+    if key and successor:
+        pid, start = successor
         from cudahook.platform.store import write_json_atomic
 
         with contextlib.suppress(Exception):  # the successor works without it
