@@ -52,7 +52,7 @@ from .criu_run import SETTLED
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
     from pathlib import Path
     from typing import Any
 
@@ -372,20 +372,17 @@ def _finished(args: dict[str, Any], what: str) -> None:
             write_json_atomic(path, {**data, what: os.getpid()})
 
 
-def _took_over(ctx: Any, args: dict[str, Any], what: str,
-               relay: Callable[[Any, dict[str, Any]], Any]) -> bool:
+def _took_over(ctx: Any, args: dict[str, Any], what: str) -> bool:
     """For a successor (`after` names the one before it): wait for that one
     to exit; False if it recorded that it finished (`what`: nothing is left
-    to do), else arm our own successor (`relay`: we do the work now) and
-    True. The first of a chain: True at once."""
+    to do), else True: the work is ours now. The first of a chain: True at
+    once. Each arms its own successor only while work is left, so that a
+    chain ends (with no run record, nobody can record that it finished)."""
     before = args.get("after")
     if not before:
         return True
     wait_exit(int(before[0]), before[1], ctx.host)
-    if _record_of(args).get(what):
-        return False
-    relay(ctx, args)
-    return True
+    return not _record_of(args).get(what)
 
 
 def _relay(ctx: Any, args: dict[str, Any], entry: str) -> tuple[int, int | None] | None:
@@ -395,8 +392,8 @@ def _relay(ctx: Any, args: dict[str, Any], entry: str) -> tuple[int, int | None]
     process checkpointed again, or a half-restored container left alive -
     with nobody left to finish. So it arms a successor running the same
     `entry`, detached like itself, which waits for it to exit and, unless
-    it recorded that it finished (`_finished`), arms its own (`_took_over`)
-    and does the work again from the start from what it reads (ends the
+    it recorded that it finished (`_finished`, `_took_over`), arms its own
+    while work is left and does the work again from the start from what it reads (ends the
     calls, reads every state afresh, restores what is locked or
     checkpointed, or kills the container: each step applies once). The
     successor's (pid, start time); None, said in the log, when it could not
@@ -445,12 +442,12 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
     from .context import Context
 
     ctx = Context(Settings(**args["settings"]))
-    if not _took_over(ctx, args, FINISHED, _relay_guardian):
+    if not _took_over(ctx, args, FINISHED):
         return 0  # the guardian before this one finished its work
     if not _dump_over(ctx, args, cid):
         return 1
     how, step, handed_over = _how(args)
-    if not args.get("after") and step not in SETTLED and _alive_procs(ctx, args):
+    if step not in SETTLED and _alive_procs(ctx, args):
         _relay_guardian(ctx, args)  # something may be left to bring back
     # Its calls die with it (parent-death signal); whatever they started,
     # or a call the signal missed, is ended here before any state is read.
@@ -634,17 +631,16 @@ def watch_restore(arg: str) -> int:
     cid = args.get("container")
     ctx = Context(Settings(**args["settings"]))
     try:
-        if not args.get("after"):
-            _relay(ctx, args, "watch_restore")
-        elif not _took_over(ctx, args, WATCHED, _relay_watcher):
+        if not _took_over(ctx, args, WATCHED):
             return 0  # the watcher before this one finished
+        init_pid, init_start = args["init"]
+        done = _record_of(args).get("done")
+        done = done.get("post-resume") if isinstance(done, dict) else None
+        if done != 0 and ctx.host.alive(init_pid, init_start):  # work left
+            _relay(ctx, args, "watch_restore")
         return _watch_restore(ctx, args, cid)
     finally:
         _finished(args, WATCHED)
-
-
-def _relay_watcher(ctx: Any, args: dict[str, Any]) -> None:
-    _relay(ctx, args, "watch_restore")
 
 
 def _watch_restore(ctx: Any, args: dict[str, Any], cid: str | None) -> int:
