@@ -233,3 +233,27 @@ def test_the_action_scripts_calls_are_ended_before_any_state_is_read(node: Node)
         late.wait()
     time.sleep(2.5)  # when the call would have locked b
     assert {engine.read_state(p.pid) for p in procs} == {"running"}
+
+
+def test_a_successor_with_nothing_left_to_do_arms_none(node: Node) -> None:
+    """A successor whose predecessor left no run record (so none can say
+    that it finished), with its processes gone, ends the chain: it arms no
+    successor of its own."""
+    host = Host()
+    gone = subprocess.Popen(["true"])  # CRIU, the process, the guardian before: all gone
+    args = json.loads(_args(node, gone, [gone.pid]))
+    args["after"] = [gone.pid, host.start_time(gone.pid)]
+    gone.wait()
+    assert guardian.main(json.dumps(args)) == 0
+    state = json.dumps(str(node.settings().state_dir))
+    # A successor would exist by now: Popen returns once it has exec'd.
+    armed = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)).count(state)
+             and "cudahook.flow.guardian import main" in _cmdline(int(p))]
+    assert armed == []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""

@@ -28,13 +28,15 @@ it says so: the result is recorded unsafe, never "resumed".
 While it lives, its marker in the state directory names it, so that a new
 checkpoint of the same container waits for it (see `pending`). Before its
 first driver call it arms a successor, which takes over if it is killed
-before it finished (`_relay`).
+before it finished (`_relay`). Killed earlier, while CRIU still dumps, it
+has none: a dump that then fails leaves the workload checkpointed (see
+docs/design.md, failure rules).
 
 The restore side has its watcher (`watch_restore`), armed at post-restore
 before the tasks run: once CRIU and the post-resume action script are gone,
 unless post-resume recorded a restore that succeeded, it ends the restore's
 driver calls and kills the container - a half-restored workload is never
-left running.
+left running. It arms its successor through the same relay, at its start.
 """
 
 from __future__ import annotations
@@ -331,7 +333,7 @@ def main(arg: str) -> int:
         return _guard(args, cid)
     finally:
         _drop_kept(args)  # first: a successor finds the work done, not the links
-        _finished(args)
+        _finished(args, FINISHED)
         if key:
             _unmark(args, key)
 
@@ -350,12 +352,15 @@ def _drop_kept(args: dict[str, Any]) -> None:
         shutil.rmtree(kept, ignore_errors=True)
 
 
-# In the run's record: the guardian of this run finished (whatever it found).
+# In the run's record: the guardian of this run finished (whatever it found);
+# the restore watcher of this run finished.
 FINISHED = "guardian_finished"
+WATCHED = "watcher_finished"
 
 
-def _finished(args: dict[str, Any]) -> None:
-    """Record that this guardian finished, for a successor waiting on it."""
+def _finished(args: dict[str, Any], what: str) -> None:
+    """Record that this guardian or watcher finished (`what`), for a
+    successor waiting on it."""
     from pathlib import Path
 
     from cudahook.platform.store import read_json, write_json_atomic
@@ -364,30 +369,58 @@ def _finished(args: dict[str, Any]) -> None:
         path = Path(args["run"])
         data = read_json(path)
         if isinstance(data, dict):
-            write_json_atomic(path, {**data, FINISHED: os.getpid()})
+            write_json_atomic(path, {**data, what: os.getpid()})
 
 
-def _relay(ctx: Any, args: dict[str, Any]) -> None:
-    """Hazard: the guardian can itself be SIGKILLed (the OOM killer) while it
-    brings processes back: its calls die with it, and a restore from
+def _took_over(ctx: Any, args: dict[str, Any], what: str) -> bool:
+    """For a successor (`after` names the one before it): wait for that one
+    to exit; False if it recorded that it finished (`what`: nothing is left
+    to do), else True: the work is ours now. The first of a chain: True at
+    once. Each arms its own successor only while work is left, so that a
+    chain ends (with no run record, nobody can record that it finished)."""
+    before = args.get("after")
+    if not before:
+        return True
+    wait_exit(int(before[0]), before[1], ctx.host)
+    return not _record_of(args).get(what)
+
+
+def _relay(ctx: Any, args: dict[str, Any], entry: str) -> tuple[int, int | None] | None:
+    """Hazard: a guardian or a restore watcher can itself be SIGKILLed (the
+    OOM killer) with work left: its calls die with it, and a restore from
     storage left half-way is ended by the driver with its caller - the
-    process checkpointed again, nobody left to bring it back. So before its
-    first driver call it arms a successor, detached like itself, which
-    waits for it to exit and, unless it recorded that it finished, does its
-    work again from the start (ends its calls, reads every state afresh,
-    restores what is locked or checkpointed: each step applies once), after
-    arming its own. The container's marker names the successor from now on,
-    so a new checkpoint waits for it too."""
+    process checkpointed again, or a half-restored container left alive -
+    with nobody left to finish. So it arms a successor running the same
+    `entry`, detached like itself, which waits for it to exit and, unless
+    it recorded that it finished (`_finished`, `_took_over`), arms its own
+    while work is left and does the work again from the start from what it reads (ends the
+    calls, reads every state afresh, restores what is locked or
+    checkpointed, or kills the container: each step applies once). The
+    successor's (pid, start time); None, said in the log, when it could not
+    be started: the work goes on without one (it matters more)."""
     me = os.getpid()
-    child = _detached("main", {**args, "after": [me, ctx.host.start_time(me)]})
+    try:
+        child = _detached(entry, {**args, "after": [me, ctx.host.start_time(me)]})
+        return child.pid, ctx.host.start_time(child.pid)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            ctx.log("guardian" if entry == "main" else "restore-watcher",
+                    container=args.get("container"), warning=f"no successor armed: {exc}")
+        return None
+
+
+def _relay_guardian(ctx: Any, args: dict[str, Any]) -> None:
+    """`_relay`, and the container's marker names the successor from now on,
+    so a new checkpoint waits for it too."""
+    successor = _relay(ctx, args, "main")
     key = args.get("key", args.get("container"))
-    if key:
+    if key and successor:
+        pid, start = successor
         from cudahook.platform.store import write_json_atomic
 
         with contextlib.suppress(Exception):  # the successor works without it
             write_json_atomic(_marker(ctx.settings.state_dir, key),
-                              {"pid": child.pid, "start": ctx.host.start_time(child.pid),
-                               "criu_pid": args["criu_pid"]})
+                              {"pid": pid, "start": start, "criu_pid": args["criu_pid"]})
 
 
 def _unmark(args: dict[str, Any], key: str) -> None:
@@ -409,13 +442,13 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
     from .context import Context
 
     ctx = Context(Settings(**args["settings"]))
+    if not _took_over(ctx, args, FINISHED):
+        return 0  # the guardian before this one finished its work
     if not _dump_over(ctx, args, cid):
         return 1
-    if args.get("after") and _record_of(args).get(FINISHED):
-        return 0  # the guardian before this one finished its work
     how, step, handed_over = _how(args)
     if step not in SETTLED and _alive_procs(ctx, args):
-        _relay(ctx, args)  # something may be left to bring back
+        _relay_guardian(ctx, args)  # something may be left to bring back
     # Its calls die with it (parent-death signal); whatever they started,
     # or a call the signal missed, is ended here before any state is read.
     stuck = _end_calls(ctx, args, cid)
@@ -581,20 +614,44 @@ def watch(ctx: Any, criu_pid: int, cid: str | None, init_pid: int,
 def watch_restore(arg: str) -> int:
     """Once CRIU and post-resume's action script are gone: unless post-resume
     recorded a restore that succeeded, end the restore's driver calls, then
-    kill the container. Its image is unchanged, and a retry restores it."""
-    from pathlib import Path
+    kill the container. Its image is unchanged, and a retry restores it.
 
+    Hazard: the watcher killed (the OOM killer) while it waits, and then
+    post-resume's script too, or while it acts: a half-restored container
+    left alive. So the first watcher arms its successor at once (`_relay`):
+    it is killed with its work still ahead of it, when a post-resume that
+    then dies leaves nobody; unlike the guardian's, its wait is all of the
+    restore's CUDA work, and a successor armed once the scripts are gone
+    would be too late. It costs one more waiting process per CUDA restore."""
     from cudahook.platform.config import Settings
-    from cudahook.platform.errors import Exit
-    from cudahook.platform.store import read_json
 
-    from . import results
-    from .containers import kill_container
     from .context import Context
 
     args = json.loads(arg)
     cid = args.get("container")
     ctx = Context(Settings(**args["settings"]))
+    try:
+        if not _took_over(ctx, args, WATCHED):
+            return 0  # the watcher before this one finished
+        init_pid, init_start = args["init"]
+        done = _record_of(args).get("done")
+        done = done.get("post-resume") if isinstance(done, dict) else None
+        if done != 0 and ctx.host.alive(init_pid, init_start):  # work left
+            _relay(ctx, args, "watch_restore")
+        return _watch_restore(ctx, args, cid)
+    finally:
+        _finished(args, WATCHED)
+
+
+def _watch_restore(ctx: Any, args: dict[str, Any], cid: str | None) -> int:
+    from pathlib import Path
+
+    from cudahook.platform.errors import Exit
+    from cudahook.platform.store import read_json
+
+    from . import results
+    from .containers import kill_container
+
     if not wait_exit(int(args["criu_pid"]), args["criu_start"], ctx.host):
         return int(Exit.FAILED)
 

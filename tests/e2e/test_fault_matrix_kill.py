@@ -163,7 +163,11 @@ STORAGE_CASES = [
     *[Case("post-resume", "copy-in", "driver-api", k, mode="storage") for k in ("script", "helper")],
     Case("post-resume", "copy-in", "driver-api", "worker", mode="agent-storage"),
 ]
-CASES += AGENT_CASES + STORAGE_CASES
+# The restore watcher SIGKILLed (the OOM killer) while post-resume restores:
+# alone (post-resume then finishes, and the workload must stay), or with
+# post-resume's script (its successor must kill the half-restored container).
+WATCHER_CASES = [Case("post-resume", "restore", "cli", k) for k in ("watcher", "watcher+script")]
+CASES += AGENT_CASES + STORAGE_CASES + WATCHER_CASES
 assert len({c.id for c in CASES}) == len(CASES)
 
 
@@ -292,6 +296,10 @@ def _kill_hook(node: Node, case: Case, worker: threading.Thread, done: dict[str,
         assert len(helpers) == 1, helpers
         os.kill(helpers[0], signal.SIGKILL)
         return hooks[0]
+    if case.kill.startswith("watcher"):
+        os.kill(_first_watcher(node), signal.SIGKILL)
+        if case.kill == "watcher":
+            return hooks[0]
     for hook in hooks:
         with contextlib.suppress(ProcessLookupError):
             if case.kill == "group":
@@ -301,6 +309,38 @@ def _kill_hook(node: Node, case: Case, worker: threading.Thread, done: dict[str,
             else:
                 os.kill(hook, signal.SIGKILL)
     return hooks[0]
+
+
+def _watchers(node: Node) -> dict[int, dict[str, Any]]:
+    """The node's live restore watchers: pid -> the arguments each was given."""
+    state = str(node.settings().state_dir)
+    found = {}
+    for pid in _pids():
+        argv = _read(pid, "cmdline").rstrip(b"\0").split(b"\0")
+        if len(argv) > 3 and b"import watch_restore" in argv[-2] and _live(pid):
+            with contextlib.suppress(ValueError):
+                args = json.loads(argv[-1])
+                if str(args["settings"]["state_dir"]) == state:
+                    found[pid] = args
+    return found
+
+
+def _live(pid: int) -> bool:
+    stat = _read(pid, "stat")
+    return bool(stat) and stat[stat.rindex(b")") + 2:][:1] not in b"ZX"
+
+
+def _first_watcher(node: Node) -> int:
+    """The restore watcher post-restore armed, once its successor (armed at
+    its start) waits for it: the one to kill."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = _watchers(node)
+        first = [p for p, a in found.items() if "after" not in a]
+        if len(first) == 1 and any(a.get("after", [0])[0] == first[0] for a in found.values()):
+            return first[0]
+        assert time.monotonic() < deadline, f"no restore watcher with its successor: {found}"
+        time.sleep(0.02)
 
 
 def assert_calls_end(node: Node) -> None:
@@ -429,7 +469,10 @@ def _slow(env: Env, case: Case) -> None:
     if call == "nvidia-smi":
         env.lab.fault("nvidia-smi", "hang")
     else:
-        env.lab.fault(call, "delay", seconds=DELAY_S, tag=VICTIM, times=1,
+        # The watcher alone: a call slow but within its deadline, so that
+        # post-resume, left alive, restores.
+        slow = LEFT_S / 2 if case.kill == "watcher" else DELAY_S
+        env.lab.fault(call, "delay", seconds=slow, tag=VICTIM, times=1,
                       **({"skip": skip} if skip else {}))
     if case.kill == "guardian":  # its restore from storage, once the hook is dead
         env.lab.fault("copy-in", "delay", seconds=DELAY_S, tag=VICTIM, times=1)
@@ -542,9 +585,18 @@ def _killed_restore(node: Node, case: Case) -> None:
         env.lab.clear_faults()
         worker.join(120)
     assert not worker.is_alive()
+    if case.kill == "watcher":
+        return _watcher_killed_alone(node, box, cid, done)
     # Whatever runc said (CRIU only logs a post-resume failure), nothing of
     # the container is left alive, and the image is as it was.
     assert_nothing_restored(env, cid, box.image, before)
+    if case.kill == "watcher+script":  # the watcher's successor killed it, and says so
+        deadline = time.monotonic() + LEFT_S
+        while not (told := [e for e in env.events("restore-watcher")
+                            if "container killed" in e.get("error", "")]):
+            assert time.monotonic() < deadline, env.events()
+            time.sleep(0.05)
+        assert len(told) == 1 and not told[0].get("unsafe"), told
     # A retry restores it, healthy, from the checkpoint. runc killed in the
     # middle of a restore leaves its own record of the container behind (a
     # mount it never undid): that is the runtime's to clean, so the retry
@@ -554,6 +606,27 @@ def _killed_restore(node: Node, case: Case) -> None:
         cid = env.cid()
         node.spoiled.append(cid)
     restore_and_check(env, cid, box.bundle, box.image, TAGS, box.frozen)
+    node.clean()
+    env.log_file.unlink(missing_ok=True)
+
+
+def _watcher_killed_alone(node: Node, box: Box, cid: str, done: dict[str, Any]) -> None:
+    """Post-resume lived on and restored: its watcher's successor, finding
+    that recorded, leaves the workload running, healthy, and ends."""
+    env = node.env
+    assert done["r"].returncode == 0, done["r"].stderr
+    assert box.frozen is not None
+    env.wait_running(TAGS, box.frozen)
+    pids = workload_pids(env.lab, cid, TAGS)
+    assert all(pids.values()), pids
+    assert {_sim_state(p) for p in pids.values() if p} == {"running"}
+    deadline = time.monotonic() + LEFT_S
+    while _watchers(node):
+        assert time.monotonic() < deadline, f"restore watchers left: {_watchers(node)}"
+        time.sleep(0.05)
+    assert workload_pids(env.lab, cid, TAGS) == pids  # not killed on its way out
+    assert env.events("restore-watcher") == [], env.events("restore-watcher")
+    assert [e for e in env.events("restore") if "error" in e] == []
     node.clean()
     env.log_file.unlink(missing_ok=True)
 
