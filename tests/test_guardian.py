@@ -257,3 +257,62 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_a_guardian_killed_while_criu_dumps_is_replaced(node: Node) -> None:
+    """The guardian is SIGKILLed (the OOM killer) while CRIU still dumps,
+    and the dump then fails: the successor it armed at its start waits for
+    CRIU and brings the workload back, intact."""
+    pids, frozen, engine = _checkpointed(node)
+    criu = subprocess.Popen(["sleep", "120"])  # the dump, still running
+    args = json.loads(_args(node, criu, pids))
+    run = Path(node.settings().state_dir) / "runs" / "4242-78.json"
+    run.parent.mkdir(parents=True, exist_ok=True)
+    run.write_text("{}")  # pre-dump's progress record: where a guardian says it finished
+    args["run"] = str(run)
+    first = guardian._detached("main", args)
+    state = json.dumps(str(node.settings().state_dir))
+
+    def successors() -> list[int]:
+        return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != first.pid
+                and _cmdline(int(p)).count(state) and '"after"' in _cmdline(int(p))]
+
+    try:
+        deadline = time.monotonic() + 30
+        while not successors():
+            assert time.monotonic() < deadline, "the guardian armed no successor while CRIU dumps"
+            assert first.poll() is None
+            time.sleep(0.05)
+        first.kill()
+        first.wait()
+        assert {engine.read_state(p) for p in pids} == {"checkpointed"}
+    finally:
+        criu.kill()  # the dump fails
+        criu.wait()
+    deadline = time.monotonic() + 60
+    while successors():
+        assert time.monotonic() < deadline, "the successor never finished"
+        time.sleep(0.1)
+    assert {engine.read_state(p) for p in pids} == {"running"}
+    assert [e for e in _events(node) if "resumed" in e.get("outcome", "")], _events(node)
+    _wait_intact(node, frozen)
+
+
+def test_a_chain_of_successors_is_bounded(node: Node) -> None:
+    """With no record to say it finished, a successor at the last link of
+    the chain arms none, and says so."""
+    host = Host()
+    gone = subprocess.Popen(["true"])
+    args = json.loads(_args(node, gone, []))
+    args["after"] = [gone.pid, host.start_time(gone.pid)]
+    gone.wait()
+    args["generation"] = guardian.RELAY_MAX
+    ctx = type("Ctx", (), {"host": host, "log": lambda self, *a, **k: logged.append(k)})()
+    logged: list[dict[str, Any]] = []
+    assert guardian._relay(ctx, args, "main") is None
+    assert "no successor armed: 8 in a row" in logged[0]["warning"], logged
+    args["generation"] = guardian.RELAY_MAX - 1
+    child = guardian._relay(ctx, args, "main")
+    assert child is not None
+    os.kill(child[0], 9)
+    os.waitpid(child[0], 0)

@@ -26,11 +26,10 @@ from checkpointed: the checkpoint dropped their VMM mappings. Failing that,
 it says so: the result is recorded unsafe, never "resumed".
 
 While it lives, its marker in the state directory names it, so that a new
-checkpoint of the same container waits for it (see `pending`). Before its
-first driver call it arms a successor, which takes over if it is killed
-before it finished (`_relay`). Killed earlier, while CRIU still dumps, it
-has none: a dump that then fails leaves the workload checkpointed (see
-docs/design.md, failure rules).
+checkpoint of the same container waits for it (see `pending`). At its
+start it arms a successor, which takes over if it is killed before it
+finished (`_relay`), also while CRIU still dumps; a successor arms its own
+only while something is left to bring back.
 
 The restore side has its watcher (`watch_restore`), armed at post-restore
 before the tasks run: once CRIU and the post-resume action script are gone,
@@ -385,6 +384,12 @@ def _took_over(ctx: Any, args: dict[str, Any], what: str) -> bool:
     return not _record_of(args).get(what)
 
 
+# A chain of successors is bounded: with no run record to say "finished"
+# (unwritable), each would otherwise arm the next for as long as the
+# processes live. Each link exists only because the one before was killed.
+RELAY_MAX = 8
+
+
 def _relay(ctx: Any, args: dict[str, Any], entry: str) -> tuple[int, int | None] | None:
     """Hazard: a guardian or a restore watcher can itself be SIGKILLed (the
     OOM killer) with work left: its calls die with it, and a restore from
@@ -399,8 +404,12 @@ def _relay(ctx: Any, args: dict[str, Any], entry: str) -> tuple[int, int | None]
     successor's (pid, start time); None, said in the log, when it could not
     be started: the work goes on without one (it matters more)."""
     me = os.getpid()
+    generation = int(args.get("generation", 0)) + 1
     try:
-        child = _detached(entry, {**args, "after": [me, ctx.host.start_time(me)]})
+        if generation > RELAY_MAX:
+            raise RuntimeError(f"{RELAY_MAX} in a row, none of which could record its end")
+        child = _detached(entry, {**args, "after": [me, ctx.host.start_time(me)],
+                                  "generation": generation})
         return child.pid, ctx.host.start_time(child.pid)
     except Exception as exc:
         with contextlib.suppress(Exception):
@@ -444,10 +453,17 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
     ctx = Context(Settings(**args["settings"]))
     if not _took_over(ctx, args, FINISHED):
         return 0  # the guardian before this one finished its work
+    first = not args.get("after")
+    if first:
+        # Killed while CRIU still dumps (the OOM killer), with no successor,
+        # a dump that then fails would leave the workload checkpointed with
+        # nobody to bring it back: so the first guardian arms one at once,
+        # for one waiting interpreter per GPU dump.
+        _relay_guardian(ctx, args)
     if not _dump_over(ctx, args, cid):
         return 1
     how, step, handed_over = _how(args)
-    if step not in SETTLED and _alive_procs(ctx, args):
+    if not first and step not in SETTLED and _alive_procs(ctx, args):
         _relay_guardian(ctx, args)  # something may be left to bring back
     # Its calls die with it (parent-death signal); whatever they started,
     # or a call the signal missed, is ended here before any state is read.
