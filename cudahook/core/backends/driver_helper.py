@@ -15,6 +15,8 @@ hook's critical path.
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import io
 import json
 import os
@@ -161,7 +163,8 @@ class Driver:
         elif op == "storage-checkpoint":
             return self.storage().checkpoint(pid, str(req["dir"]), int(req["chunk"]))
         elif op == "storage-restore":
-            self.storage().restore(pid, str(req["dir"]), req.get("pairs") or [])
+            self.storage().restore(pid, str(req["dir"]), req.get("pairs") or [],
+                                   checked=req.get("checked") is True)
         else:
             raise ValueError(f"unknown request {op!r}")
         return None
@@ -222,9 +225,10 @@ class Storage:
     chunk to its own file with its digest in the manifest; the files, the
     manifest and the directory are fsynced before cuCheckpointOperationComplete
     lets the driver release the memory. A restore verifies every chunk
-    against the manifest before the process is touched, and again as it
-    copies each one in. The image directory comes from outside: opened
-    without following links, regular files only, sizes exact, manifest capped.
+    against the manifest as it copies each one in, and before the process is
+    touched too unless the caller has just verified them all (`checked`).
+    The image directory comes from outside: opened without following links,
+    regular files only, sizes exact, manifest capped.
     """
 
     def __init__(self, driver: Driver):
@@ -278,6 +282,12 @@ class Storage:
                 manifest = {"format": 1, "digest": DIGEST, "chunk": chunk, "ranges": [
                     {"size": r.size, "chunks": self._copy_out(r, dirfd, i, chunk)}
                     for i, r in enumerate(ranges)]}
+                # Durable before the driver may release the memory: the chunks
+                # (fsynced once all are written, so the disk writes them back
+                # while the link copies), the manifest, the directory.
+                for i, r in enumerate(ranges):
+                    for k in range(-(-r.size // chunk)):
+                        _fsync(dirfd, _chunk_name(i, k))
                 _write(dirfd, MANIFEST, json.dumps(manifest).encode())
                 os.fsync(dirfd)
                 _check(self.lib.cuCheckpointOperationComplete(info.contents.handle))
@@ -355,13 +365,13 @@ class Storage:
                 n = min(chunk, r.size - k * chunk)
                 data = memoryview((ctypes.c_char * n).from_address(bufs[k % len(bufs)].value))
                 digests.append(_digest(data).hexdigest())
-                _write(dirfd, _chunk_name(index, k), data)
+                _write(dirfd, _chunk_name(index, k), data, sync=False)
         finally:
             for b in bufs:
                 lib.cuMemFreeHost(b)
         return digests
 
-    def restore(self, pid: int, directory: str, pairs: list) -> None:
+    def restore(self, pid: int, directory: str, pairs: list, checked: bool = False) -> None:
         self._current()
         try:
             dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -371,10 +381,15 @@ class Storage:
             manifest = _manifest(dirfd)
             chunk = manifest["chunk"]
             # Every chunk verified before the process is touched: a bad image
-            # leaves it checkpointed, exactly as it was.
+            # leaves it checkpointed, exactly as it was. A caller that has just
+            # verified them all (post-restore) spares this second read: a chunk
+            # changed since is still refused on its way in, below, and the
+            # process is then left locked, never released.
             for i, rng in enumerate(manifest["ranges"]):
                 for k, digest in enumerate(rng["chunks"]):
-                    _read_chunk(dirfd, i, k, _chunk_size(rng["size"], chunk, k), digest, None)
+                    if not checked:
+                        _read_chunk(dirfd, i, k, _chunk_size(rng["size"], chunk, k), digest,
+                                    None)
             info = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
             args = CUcheckpointRestoreArgs()
             args.customStorageInfo_out = ctypes.pointer(info)
@@ -458,15 +473,56 @@ def _chunk_size(size: int, chunk: int, k: int) -> int:
     return min(chunk, size - k * chunk)
 
 
-def _write(dirfd: int, name: str, data: object) -> None:
-    """A new file, written whole and fsynced."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600, dir_fd=dirfd)
+# O_DIRECT moves a chunk from the pinned buffer to the disk without passing
+# through the page cache; it needs the buffer, the length and the offset
+# aligned to the device's block (4096 covers them all).
+DIRECT_ALIGN = 4096
+
+
+def _write(dirfd: int, name: str, data: object, sync: bool = True) -> None:
+    """A new file, written whole; fsynced unless `sync` is False (the caller
+    fsyncs it later: `_fsync`). With O_DIRECT where the filesystem takes it
+    and the buffer is aligned (tmpfs refuses it: written through the cache)."""
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    direct = getattr(os, "O_DIRECT", 0) if _aligned(view) else 0
     try:
-        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        fd = os.open(name, flags | direct, 0o600, dir_fd=dirfd)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        fd, direct = os.open(name, flags, 0o600, dir_fd=dirfd), 0
+    try:
         done = 0
         while done < len(view):
-            done += os.write(fd, view[done:])
+            try:
+                done += os.write(fd, view[done:])
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                # Opened, yet refused at the write (some filesystems): the
+                # rest through the page cache.
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~direct)
+                direct = 0
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _aligned(view: memoryview) -> bool:
+    """Whether `view` can go to the disk with O_DIRECT as it is."""
+    if not view.nbytes or view.nbytes % DIRECT_ALIGN:
+        return False
+    if view.readonly:
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % DIRECT_ALIGN == 0
+
+
+def _fsync(dirfd: int, name: str) -> None:
+    """fsync a file this helper wrote with `_write(sync=False)`."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
