@@ -625,17 +625,7 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
     if key and (cached := _cache_get(ctx, key)) is not None:
         cached.manifest = m
         return cached
-    asking = _ask_custom_storage(ctx, m)  # the driver's attach overlaps the hashing
-    v.checked.append("integrity")
-    try:
-        found_problems = manifest.verify_files(image_dir, m, quick)
-    finally:
-        storage = _custom_storage_answer(ctx, asking)
-    for name, problem in found_problems:
-        if problem == "checksum":
-            v.add("IMAGE_CHECKSUM", f"{name}: sha256 or size differs from the manifest's")
-        else:
-            v.add("IMAGE_FILE_MISSING", f"{name}: {problem}")
+    storage = _integrity(ctx, v, image_dir, m, quick)
     if m.vmm and not vmm.has_state(image_dir):
         v.add("IMAGE_FILE_MISSING", f"the checkpoint took the CUDA VMM interposer's state, but "
               f"the image has no regular {vmm.STATE_FILE}")
@@ -656,6 +646,25 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
     if key and v.problems and all(p.reason.cacheable for p in v.problems):
         _cache_put(ctx, key, v)
     return v
+
+
+def _integrity(ctx: Context, v: Verdict, image_dir: Path, m: Manifest,
+               quick: bool) -> tuple[bool, str] | None:
+    """Every file the manifest names, checked; for an image with its GPU
+    memory in storage, the driver asked meanwhile whether it has custom
+    storage (its attach overlaps the hashing): the answer, or None."""
+    asking = _ask_custom_storage(ctx, m)
+    v.checked.append("integrity")
+    try:
+        found = manifest.verify_files(image_dir, m, quick)
+    finally:
+        storage = _custom_storage_answer(ctx, asking)
+    for name, problem in found:
+        if problem == "checksum":
+            v.add("IMAGE_CHECKSUM", f"{name}: sha256 or size differs from the manifest's")
+        else:
+            v.add("IMAGE_FILE_MISSING", f"{name}: {problem}")
+    return storage
 
 
 def _ask_custom_storage(ctx: Context, m: Manifest) -> Any:
