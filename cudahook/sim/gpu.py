@@ -299,11 +299,15 @@ class GpuService:
             if until:
                 self._wait(until - len(buf) / (dev.bandwidth * (1 << 20)))  # our turn
             # The bytes cross inside the copy's time on the link; the client
-            # waits out the rest (clocks: CLOCK_MONOTONIC, one per host).
+            # waits out the rest, `link_left` seconds from this reply. (Not
+            # until `link_until` by its own clock: a process CRIU restored
+            # runs in a time namespace whose CLOCK_MONOTONIC lags this one
+            # by every checkpoint's downtime, and would wait that out too.)
+            left = max(0.0, until - time.monotonic()) if until else 0.0
             if op == "download":  # small images (VMM mappings): through the socket
-                return {"link_until": until}, bytes(buf)
+                return {"link_until": until, "link_left": left}, bytes(buf)
             # The process locked, nothing writes the pages while both hold them.
-            return {"link_until": until, "size": len(buf),
+            return {"link_until": until, "link_left": left, "size": len(buf),
                     "_fd": os.dup(client.fds[int(msg["handle"])])}, b""
         if op in ("map_out", "map_in", "map", "link", "adopt", "unmap"):
             return self._storage(client, op, msg), b""

@@ -347,7 +347,7 @@ class SimCuda:
                 copy[name] = fd
                 if os.fstat(fd).st_size != int(reply.get("size", -1)):
                     raise CudaError(UNKNOWN, f"host copy of {name!r} is incomplete")
-                left = float(reply.get("link_until") or 0) - time.monotonic()
+                left = float(reply.get("link_left") or 0)  # see the GPU service
                 if left > 0:
                     time.sleep(left)
         except (GpuLost, CudaError) as exc:
