@@ -67,8 +67,9 @@ MIB, QUICK_MIB = 256, 64  # per process; --quick takes the smaller unless --mib 
 class Peak:
     """The largest host memory seen while it runs (see the module notes)."""
 
-    def __init__(self, cgroup: Path | None, memory: Path | None):
+    def __init__(self, cgroup: Path | None, memory: Path | None, libcuda: Path):
         self.cgroup, self.memory = cgroup, memory
+        self.libcuda = os.fsencode(libcuda)
         self.peak = 0
         self.cgroup_peak = 0
         self._stop = threading.Event()
@@ -93,7 +94,7 @@ class Peak:
         # A helper maps the target's device memory (custom storage): in the
         # simulator that is a shared memfd, on a GPU it is device memory, so
         # a helper counts only its own anonymous and file pages.
-        helpers = _helpers()
+        helpers = _helpers(self.libcuda)
         procs = _procs(self.cgroup) - helpers
         memfds: dict[tuple[int, int], int] = {}  # each once, however many hold it
         for p in procs:
@@ -111,12 +112,15 @@ def _procs(cgroup: Path | None) -> set[int]:
         return set()
 
 
-def _helpers() -> set[int]:
+def _helpers(libcuda: bytes) -> set[int]:
+    """This node's driver-API helpers: started on its libcuda (a shared
+    machine runs others' helpers too)."""
     out = set()
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                if b"driver_helper.py" in Path(f"/proc/{d}/cmdline").read_bytes():
+                argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+                if any(a.endswith(b"driver_helper.py") for a in argv) and libcuda in argv:
                     out.add(int(d))
             except OSError:
                 continue
@@ -233,7 +237,8 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                 order = VARIANTS[r % 2:] + VARIANTS[:r % 2]
                 for v in order:
                     cid, bundle, tags = boxes[v]
-                    dt, peak, cg_peak, image_mib = cycle(box, cid, bundle, tmp / f"img-{v}-{r}")
+                    dt, peak, cg_peak, image_mib = cycle(box, cid, bundle, tmp / f"img-{v}-{r}",
+                                                         lab.libcuda)
                     for step, took in copy_steps(settings.state_dir, cid).items():
                         samples.setdefault(f"{step}-{v}", []).append(took)
                     samples.setdefault(f"cycle-{v}", []).append(dt)
@@ -272,11 +277,12 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
     return res
 
 
-def cycle(box, cid: str, bundle: Path, image: Path) -> tuple[float, int, int, float]:  # type: ignore[no-untyped-def]
+def cycle(box, cid: str, bundle: Path, image: Path,  # type: ignore[no-untyped-def]
+          libcuda: Path) -> tuple[float, int, int, float]:
     """runc checkpoint + runc restore: (seconds, peak host memory, the memory
     cgroup's peak or 0, CRIU's image in MiB without cudahook-gpu/)."""
     procs, memory = _cgroup_of(int(box.state(cid)["pid"]))
-    with Peak(procs, memory) as peak:
+    with Peak(procs, memory, libcuda) as peak:
         t0 = time.perf_counter()
         r = box.checkpoint(cid, image)
         if r.returncode:
