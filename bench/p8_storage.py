@@ -14,8 +14,8 @@ its whole device memory checked intact.
 
 Peak host memory, sampled every 20 ms during each cycle: the container's
 processes' RSS plus the host copies the simulated driver holds for them
-(memfds: the real driver's copy is the process's own memory), plus every
-driver-API helper's anonymous and file RSS (the storage path's pinned
+(memfds: the real driver's copy is the process's own memory), plus the
+anonymous and file RSS of each driver-API helper started on the node's libcuda (the storage path's pinned
 staging buffers; not the target's device memory it maps). The
 container's memory cgroup peak is noted beside it when the cgroup shows one.
 
