@@ -2,8 +2,11 @@
 # Install cudahook: its own virtual environment on the system Python (which
 # starts fastest: the hooks run dozens of times per checkpoint), the hook
 # executables, /etc/cudahook/config.yaml, /etc/logrotate.d/cudahook, the node
-# agent's systemd unit (cudahook-agent.service, not enabled), and the
-# CRIU action script in /etc/criu/runc.conf. Idempotent: running it again
+# agent's systemd unit (cudahook-agent.service), and the CRIU action script
+# in /etc/criu/runc.conf. Where systemd runs (PID 1), the unit is enabled and
+# started with --agent or `agent: auto` in the configuration, and a running
+# agent is restarted on the new code (elsewhere: restarted if running, else
+# hooks start it on demand with `agent: auto`). Idempotent: running it again
 # also repairs a half-removed installation. Every file outside the prefix that
 # it changes is journaled per prefix, and --uninstall puts each one back byte
 # for byte.
@@ -20,18 +23,22 @@
 #                       containers created without the wrapper are not covered
 #   --with-criu         provide a working CRIU >= 4.0 in PREFIX/criu, linked as
 #                       /usr/local/sbin/criu (removed again by --uninstall)
+#   --agent             run the node agent as a systemd service (enable + start
+#                       cudahook-agent.service; `agent: auto` in the configuration
+#                       does the same); without systemd it starts on demand
 #   --force             install even though cudahook is installed at another prefix
 #                       (uninstalling this one then puts that one back)
 #   --dev               also install the test dependencies
 #   --dry-run           show every change, make none
 #   --uninstall         undo everything install.sh and `cudahook configure` did at
-#                       this prefix: registrations first, then the files, the venv,
+#                       this prefix: the agent stopped (and its service disabled),
+#                       registrations, then the files, the venv,
 #                       the CRIU it provided, the state and marks directories
 #   --keep-criu         with --uninstall: keep the CRIU --with-criu provided
 #   -h, --help
 # Exit codes: 0 done; 1 failed; 2 bad arguments or refused (nothing changed).
 # CUDAHOOK_ROOT=DIR stands in for "/" for every node path (a whole node in a
-# directory); CUDAHOOK_PYTHON picks the Python; CUDAHOOK_PROVISION_CRIU names
+# directory; its proc/1/comm says whether systemd runs it); CUDAHOOK_PYTHON picks the Python; CUDAHOOK_PROVISION_CRIU names
 # the script --with-criu runs (default scripts/provision-criu.sh).
 set -euo pipefail
 
@@ -41,6 +48,7 @@ ROOT=${ROOT%/}
 PREFIX=$ROOT/opt/cudahook
 RUNTIMES=()
 DEFAULT_RT=""
+AGENT=""
 CRIU_REG=()
 WITH_CRIU=0
 FORCE=""
@@ -66,12 +74,13 @@ while (($#)); do
             CRIU_REG=(--criu-registration "$2"); shift 2 ;;
         --criu-registration=*) CRIU_REG=(--criu-registration "${1#*=}"); shift ;;
         --with-criu) WITH_CRIU=1; shift ;;
+        --agent) AGENT=--agent; shift ;;
         --force) FORCE=--force; shift ;;
         --keep-criu) KEEP_CRIU=--keep-criu; shift ;;
         --dev) DEV=1; shift ;;
         --dry-run) DRY=--dry-run; shift ;;
         --uninstall) UNINSTALL=1; shift ;;
-        -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) usage "unknown option: $1 (see --help)" ;;
     esac
 done
@@ -142,5 +151,5 @@ fi
 rtargs=()
 for rt in "${RUNTIMES[@]}"; do rtargs+=(--runtime "$rt"); done
 installer install --python "$PREFIX/venv/bin/python" --source "$SRC" \
-    "${rtargs[@]}" "${owns[@]}" "${criuargs[@]}" "${CRIU_REG[@]}" $DEFAULT_RT $DRY $FORCE || exit $?
+    "${rtargs[@]}" "${owns[@]}" "${criuargs[@]}" "${CRIU_REG[@]}" $DEFAULT_RT $AGENT $DRY $FORCE || exit $?
 [[ -n $DRY ]] || say "done: run 'cudahook doctor' to check the node"

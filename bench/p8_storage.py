@@ -12,12 +12,15 @@ directory each time), in a rotating order; the timed figure is checkpoint +
 restore wall time. Untimed after each restore: every workload ran again and
 its whole device memory checked intact.
 
-Peak host memory, sampled every 20 ms during each cycle: the container's
-processes' RSS plus the host copies the simulated driver holds for them
-(memfds: the real driver's copy is the process's own memory), plus the
-anonymous and file RSS of each driver-API helper started on the node's libcuda (the storage path's pinned
-staging buffers; not the target's device memory it maps). The
-container's memory cgroup peak is noted beside it when the cgroup shows one.
+Peak host memory, sampled every 20 ms during each cycle, as a real node
+would see it: the container's memory cgroup (its processes, their host
+copies of GPU memory on the host path - the simulator charges them there, as
+the real driver's copy is the process's own memory - and, during the
+restore, CRIU and its action script's driver helpers, which runc runs inside
+it), plus the anonymous and file RSS of this node's driver-API helpers
+outside it (pre-dump's, in runc's cgroup: the storage path's pinned staging
+buffers; not the target's device memory they map). The cgroup's own peak is
+noted beside it.
 
 The storage path against its own limit: its GPU-memory copy-out (the
 checkpoint phase's checkpoint step, first start to last end over the
@@ -93,14 +96,10 @@ class Peak:
     def sample(self) -> int:
         # A helper maps the target's device memory (custom storage): in the
         # simulator that is a shared memfd, on a GPU it is device memory, so
-        # a helper counts only its own anonymous and file pages.
-        helpers = _helpers(self.libcuda)
-        procs = _procs(self.cgroup) - helpers
-        memfds: dict[tuple[int, int], int] = {}  # each once, however many hold it
-        for p in procs:
-            memfds.update(_memfds(p))
-        return sum(_rss(p, ("RssAnon", "RssFile")) for p in helpers) + sum(
-            _rss(p, ("VmRSS",)) for p in procs) + sum(memfds.values())
+        # a helper outside the container counts only its own anonymous and
+        # file pages. Those inside are in the cgroup's figure already.
+        outside = _helpers(self.libcuda) - _procs(self.cgroup)
+        return _cgroup_usage(self.memory) + sum(_rss(p, ("RssAnon", "RssFile")) for p in outside)
 
 
 def _procs(cgroup: Path | None) -> set[int]:
@@ -136,22 +135,6 @@ def _rss(pid: int, fields: tuple[str, ...]) -> int:
     except OSError:
         pass
     return total
-
-
-def _memfds(pid: int) -> dict[tuple[int, int], int]:
-    """The memfds a process holds, by identity: their sizes."""
-    out = {}
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
-                    st = os.stat(f"/proc/{pid}/fd/{fd}")
-                    out[(st.st_dev, st.st_ino)] = st.st_size
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return out
 
 
 def _cgroup_of(pid: int) -> tuple[Path | None, Path | None]:
@@ -253,7 +236,7 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                 box.close()
             lab.stop()
     res.add_samples(samples, {
-        **{f"peak-MiB-{v}": "MiB, not s: container RSS + driver host copies + helpers"
+        **{f"peak-MiB-{v}": "MiB, not s: the container's memory cgroup + helpers outside it"
            for v in VARIANTS},
         **{f"cgroup-peak-MiB-{v}": "MiB, not s: the container's memory cgroup" for v in VARIANTS},
         **{f"criu-image-MiB-{v}": "MiB, not s: CRIU's image without cudahook-gpu/"
@@ -349,5 +332,199 @@ def parser():  # type: ignore[no-untyped-def]
     return p
 
 
+# -- the chunk format: digest, dedupe, compression (--format) ----------------------------------
+#
+# Separate from the runc cycle above: the chunk format's own costs and gains.
+#   digest       each candidate's GB/s over 16 MiB chunks, one thread, and one
+#                thread per core hashing chunks side by side (blake3 also with
+#                its own threads on one chunk)
+#   dedupe       N processes holding the same weights (random content, as
+#                model weights are), checkpointed to storage in parallel by
+#                one helper: bytes stored / bytes of GPU memory, and the
+#                checkpoint's time with and without dedupe
+#   compression  zstd on data that compresses (a repeated block) and on data
+#                that does not (random): ratio and MB/s of the compressor, and
+#                the stored ratio of a storage checkpoint with it on
+
+FORMAT_TITLE = "the storage chunk format: digest GB/s, dedupe, zstd"
+FORMAT_CHUNK = 16 << 20
+
+
+def digest_rates(seconds: float = 1.0) -> dict[str, float]:
+    """GB/s (10^9 bytes) of each digest over 16 MiB chunks."""
+    import hashlib
+
+    import blake3
+
+    data = os.urandom(FORMAT_CHUNK)
+    threads = os.cpu_count() or 1
+    candidates = {
+        "sha256": lambda d: hashlib.sha256(d).digest(),
+        "blake2b": lambda d: hashlib.blake2b(d).digest(),
+        "blake3": lambda d: blake3.blake3(d).digest(),
+        "blake3-auto": lambda d: blake3.blake3(d, max_threads=blake3.blake3.AUTO).digest(),
+    }
+    out = {}
+    for name, fn in candidates.items():
+        out[f"{name} 1 thread"] = _rate(fn, data, 1, seconds)
+        if name != "blake3-auto":
+            out[f"{name} {threads} threads"] = _rate(fn, data, threads, seconds)
+    return out
+
+
+def _rate(fn, data: bytes, threads: int, seconds: float) -> float:  # type: ignore[no-untyped-def]
+    """Bytes per second, in GB/s, of `threads` threads each running fn(data)."""
+    done = [0] * threads
+    stop = time.perf_counter() + seconds
+
+    def work(i: int) -> None:
+        while time.perf_counter() < stop:
+            fn(data)
+            done[i] += len(data)
+
+    t0 = time.perf_counter()
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(done) / (time.perf_counter() - t0) / 1e9
+
+
+def zstd_rates(level: int = 3) -> dict[str, tuple[float, float]]:
+    """(ratio raw/stored, compression MB/s) of one 16 MiB chunk per content."""
+    import zstandard
+
+    from cudahook.sim.protocol import pattern
+
+    out = {}
+    for content in ("pattern", "random"):
+        data = pattern(1, FORMAT_CHUNK, content)
+        z = zstandard.ZstdCompressor(level=level)
+        t0 = time.perf_counter()
+        n = 0
+        while time.perf_counter() - t0 < 1.0:
+            frame = z.compress(data)
+            n += 1
+        dt = time.perf_counter() - t0
+        out[content] = (len(data) / min(len(frame), len(data)), n * len(data) / dt / 1e6)
+    return out
+
+
+def storage_checkpoint(lab, procs: int, mib: int, content: str, same: bool,  # type: ignore[no-untyped-def]
+                       dedupe: bool, compression: str, where: Path) -> tuple[float, float, int]:
+    """N workload processes checkpointed to storage in parallel, one helper,
+    then restored and checked: (checkpoint seconds, stored/raw, raw bytes)."""
+    from cudahook.core.backends import make_backend
+    from cudahook.platform.host import Host
+
+    tag = f"f{next(_tags)}"
+    proc = lab.spawn(tag, mib=mib, procs=procs, content=content, same_weights=same,
+                     check_after_restore=True, interval_ms=200)
+    try:
+        tags = [f"{tag}.{i}" for i in range(procs)] if procs > 1 else [tag]
+        pids = [lab.wait_counter(t, timeout=120)["pid"] for t in tags]
+        api = make_backend(lab.settings(backend="driver-api", gpu_storage_compression=compression,
+                                        call_timeout_s=600.0), Host())
+        try:
+            for p in pids:
+                api.lock(p, 0)
+            where.mkdir()
+            t0 = time.perf_counter()
+            done = _parallel(lambda p: api.checkpoint_to_storage(  # type: ignore[attr-defined]
+                p, str(where / str(p)), dedupe=dedupe), pids)
+            dt = time.perf_counter() - t0
+            raw = sum(d["bytes"] for d in done)
+            stored = _stored_bytes(where)
+            _parallel(lambda p: api.restore_from_storage(p, str(where / str(p))), pids)  # type: ignore[attr-defined]
+            for p in pids:
+                api.unlock(p)
+        finally:
+            api.close()
+        verify_restored(lab, tags, 1)
+    finally:
+        from bench.common import kill_group
+
+        kill_group(proc)
+        shutil.rmtree(where, ignore_errors=True)
+    return dt, stored / raw, raw
+
+
+_tags = iter(range(1 << 30))
+
+
+def _parallel(fn, items):  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def _stored_bytes(root: Path) -> int:
+    """What the files take, each inode once (dedupe's links share one)."""
+    seen, total = set(), 0
+    for f in root.rglob("*.chunk"):
+        st = f.stat()
+        if st.st_ino not in seen:
+            seen.add(st.st_ino)
+            total += st.st_size
+    return total
+
+
+def run_format(args) -> Result:  # type: ignore[no-untyped-def]
+    from cudahook.sim.lab import SimLab
+
+    res = Result("P8-format", FORMAT_TITLE)
+    reps = reps_of(args)
+    mib = min(args.mib, QUICK_MIB if args.quick else 128)
+    for name, gbs in digest_rates(0.5 if args.quick else 2.0).items():
+        res.notes.append(f"digest {name}: {gbs:.2f} GB/s")
+    for content, (ratio, mbs) in zstd_rates().items():
+        res.notes.append(f"zstd level 3 on {content} data: ratio {ratio:.2f}x, {mbs:.0f} MB/s")
+    samples: dict[str, list[float]] = {}
+    with tmpdir("p8f") as tmp:
+        lab = SimLab(tmp / "node", driver=590, gpus=4, attach_latency_s=0.0,
+                     bandwidth_mib_s=args.bandwidth, memory_mib=max(1024, 2 * mib)).start()
+        try:
+            lab.set(cuda_version=13040)
+            for r in range(reps):
+                for label, kw in (
+                        ("dedupe", dict(content="random", same=True, dedupe=True,
+                                        compression="off")),
+                        ("no-dedupe", dict(content="random", same=True, dedupe=False,
+                                           compression="off")),
+                        ("zstd-compressible", dict(content="pattern", same=False, dedupe=False,
+                                                   compression="zstd")),
+                        ("zstd-random", dict(content="random", same=False, dedupe=False,
+                                             compression="zstd")),
+                        ("raw-random", dict(content="random", same=False, dedupe=False,
+                                            compression="off"))):
+                    dt, ratio, raw = storage_checkpoint(lab, 4, mib, where=tmp / f"{label}-{r}",
+                                                        **kw)  # type: ignore[arg-type]
+                    samples.setdefault(f"checkpoint-{label}", []).append(dt)
+                    samples.setdefault(f"stored-ratio-{label}", []).append(ratio)
+                    samples.setdefault(f"MBps-{label}", []).append(raw / dt / 1e6)
+                log(f"P8-format rep {r + 1}/{reps}: " + ", ".join(
+                    f"{k} {v[-1]:.3f}" for k, v in samples.items()))
+        finally:
+            lab.stop()
+    res.add_samples(samples, {
+        **{k: "stored bytes / GPU-memory bytes, not s" for k in samples if "ratio" in k},
+        **{k: "MB/s of GPU memory checkpointed, not s" for k in samples if "MBps" in k}})
+    res.ratio("dedupe: stored/raw, 4 processes of the same weights", "stored-ratio-dedupe",
+              "stored-ratio-no-dedupe", None)
+    res.ratio("dedupe: checkpoint time with/without", "checkpoint-dedupe",
+              "checkpoint-no-dedupe", None)
+    res.ratio("zstd: checkpoint time on random data, with/without", "checkpoint-zstd-random",
+              "checkpoint-raw-random", None)
+    res.extra["settings"] = {"processes": 4, "mib": mib, "bandwidth_mib_s": args.bandwidth,
+                             "zstd_level": 3, "cpus": os.cpu_count()}
+    return res
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(run, parser()))
+    p = parser()
+    p.add_argument("--format", action="store_true",
+                   help="measure the chunk format instead: digest GB/s, dedupe, zstd")
+    a = p.parse_known_args()[0]
+    sys.exit(run_main(run_format if a.format else run, p))

@@ -423,3 +423,156 @@ def test_install_places_the_agent_unit_not_enabled_and_uninstall_removes_it(tmp_
     assert not list(root.glob("etc/systemd/system/*.wants/cudahook-agent.service"))
     rc, _, _ = run(root, "uninstall", prefix)
     assert rc == 0 and not unit.exists()
+
+
+def test_status_and_metrics_show_the_agent(node, capsys) -> None:  # type: ignore[no-untyped-def]
+    from cudahook.admin.cli import main
+    from cudahook.platform import metrics
+    from cudahook.platform.atomic import write_json_atomic
+
+    from .test_metrics import samples, value
+
+    pids = workloads(node, 1)
+    settings = node.lab.settings(backend="driver-api")
+    config = node.lab.root / "config.json.yaml"
+    write_json_atomic(config, {k: v for k, v in settings.as_dict().items() if v is not None})
+    prom = Path(settings.state_dir) / metrics.DEFAULT_NAME
+    with running_agent(settings) as proc:
+        for name in ("checkpoint", "restore"):
+            assert phase(settings, name, pids)[0].ok
+        info = agent.status(settings)
+        assert info and info["served"] == 2 and info["calls"] >= 4 and info["rss_bytes"] > 0
+        capsys.readouterr()
+        assert main(["status", "--config", str(config)]) == 0
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.startswith(f"node agent: running, pid {proc.pid}, driver 580."), line
+        assert f"{info['calls']} calls in 2 sessions served, 0 open" in line, line
+        assert main(["status", "--config", str(config), "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)["agent"]
+        assert shown["up"] and shown["pid"] == proc.pid and shown["calls"] == info["calls"]
+        # In the metrics about a second after the sessions ended.
+        wait_for(lambda: prom.exists() and value(samples(prom), "cudahook_agent_calls_total")
+                 == info["calls"], 10)
+        found = samples(prom)
+        assert value(found, "cudahook_agent_up", pid=str(proc.pid)) == 1
+        assert value(found, "cudahook_agent_sessions_total") == 2
+        assert (value(found, "cudahook_agent_resident_bytes", process="agent") or 0) > 0
+        assert main(["agent", "stop", "--config", str(config)]) == 0
+        assert value(samples(prom), "cudahook_agent_up", pid=str(proc.pid)) == 0
+    capsys.readouterr()
+    assert main(["status", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("node agent: not running")
+    healthy(node, 1)
+
+
+def test_install_without_systemd_restarts_a_running_agent_and_uninstall_stops_it(  # type: ignore[no-untyped-def]
+        node, tmp_path) -> None:
+    """No systemd as PID 1 (this node in a directory): an upgrade through the
+    installer restarts the agent that runs, so it never serves with old
+    code; --uninstall stops it."""
+    import io
+    from contextlib import redirect_stdout
+
+    from cudahook.admin import installer
+    from cudahook.platform.atomic import write_json_atomic
+
+    from . import nodefiles
+    from .test_installer import REPO
+
+    root = nodefiles.site_node(tmp_path / "node")
+    (root / "usr/local/bin").mkdir(parents=True)
+    prefix = root / "opt/cudahook"
+    (prefix / "venv/bin").mkdir(parents=True)
+    python = prefix / "venv/bin/python"  # the installed code: this checkout's
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    settings = node.lab.settings(backend="driver-api")
+    config = root / "etc/cudahook/config.yaml"
+    config.parent.mkdir(parents=True)
+    write_json_atomic(config, {k: v for k, v in settings.as_dict().items() if v is not None})
+
+    def installer_run(*args: str) -> str:
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = installer.main([*args, "--root", str(root), "--prefix", str(prefix)])
+        assert rc == 0, out.getvalue()
+        return out.getvalue()
+
+    with running_agent(settings) as proc:
+        out = installer_run("install", "--python", str(python), "--source", str(REPO))
+        assert "restarted the running node agent on the new code" in out, out
+        assert proc.wait(30) == 0  # the old one ended cleanly
+        info = wait_for(lambda: agent.status(settings, 1.0))
+        assert info["pid"] != proc.pid
+        new = info["pid"]
+        try:
+            out = installer_run("uninstall")
+            assert "stopped the running node agent" in out, out
+            assert agent.status(settings, 1.0) is None and not Host().alive(new)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(new, signal.SIGKILL)
+
+
+def test_the_daemonset_runs_the_agent_after_its_install_in_the_hosts_root() -> None:
+    """deploy/daemonset.yaml: the agent container runs the code install.sh
+    installs, with the configuration it installs, in the host's root and PID
+    namespace, and only after this pod's install finished."""
+    import yaml
+
+    from cudahook.admin.installer import agent_unit
+    from cudahook.platform import paths
+
+    from .test_installer import REPO
+
+    doc = yaml.safe_load((REPO / "deploy/daemonset.yaml").read_text())
+    spec = doc["spec"]["template"]["spec"]
+    assert spec["hostPID"] is True
+    containers = {c["name"]: c for c in spec["containers"]}
+    install, runner = containers["install"], containers["agent"]
+    assert runner["image"] == install["image"] and runner["securityContext"]["privileged"]
+    mark = "/pod/installed"
+    assert install["args"][0].index("install.sh") < install["args"][0].index(f"touch {mark}")
+    script = runner["args"][0].replace("\\\n", " ")
+    assert script.index(f"until [ -e {mark} ]") < script.index("exec chroot /host ")
+    command = " ".join(script.split("exec chroot /host ", 1)[1].split())
+    # What the systemd unit runs on a node install.sh set up at its defaults.
+    unit = agent_unit(f"{paths.PREFIX}/venv/bin/python", Path(paths.CONFIG))
+    assert f"ExecStart={command}\n" in unit, (command, unit)
+    mounts = {m["name"]: m["mountPath"] for m in runner["volumeMounts"]}
+    assert mounts == {"host": "/host", "pod": "/pod"}
+    assert {"name": "pod", "emptyDir": {}} in spec["volumes"]
+
+
+def test_the_agent_serves_the_storage_path_with_blake3_dedupe_and_zstd(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The agent's workers are the helper too: started -I -S like it, they
+    load blake3 and zstandard from the agent's own install directory, and
+    serve a storage checkpoint and restore (two processes, the same
+    weights: their chunks stored once, compressed)."""
+    node = make_node(driver=590)
+    node.lab.set(cuda_version=13040)
+    node.spawn("w0", mib=20, procs=2, same_weights=True)  # a full 16 MiB chunk, and the rest
+    pids = [node.lab.wait_counter(f"w0.{i}", 2)["pid"] for i in range(2)]
+    settings = node.lab.settings(backend="driver-api", gpu_storage_compression="zstd")
+    root = tmp_path / "cudahook-gpu"
+    root.mkdir()
+    storage = {p: str(root / str(p)) for p in pids}
+    with running_agent(settings):
+        for name in ("checkpoint", "restore"):
+            host = Host()
+            backend = make_backend(settings, host)
+            try:
+                result = getattr(Engine(backend, settings, host), name)(pids, storage=storage)
+            finally:
+                backend.close()
+            assert result.ok, result.errors
+            assert (backend.agent_sessions, backend.attaches) == (1, 0)
+            if name == "checkpoint":
+                for p in pids:
+                    m = json.loads((root / str(p) / "manifest.json").read_text())
+                    assert m["digest"] == "blake3" and all(m["ranges"][0]["zstd"])
+                inodes = {(root / str(p) / "gpu0-000000.chunk").stat().st_ino for p in pids}
+                assert len(inodes) == 1  # one file for both processes
+    for i in range(2):
+        st = node.lab.wait_counter(f"w0.{i}", node.lab.status(f"w0.{i}")["counter"] + 5)
+        assert st["intact"] and st["errors"] == [], st

@@ -234,6 +234,45 @@ def memory_cgroup(pids: list[int], limit: int) -> Iterator[Path]:
                 time.sleep(0.05)
 
 
+def shmem(cgroup: Path) -> int:
+    """Shared-memory bytes charged to a memory cgroup (v1 and v2 alike)."""
+    for line in (cgroup / "memory.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "shmem":
+            return int(value)
+    raise AssertionError(f"no shmem in {cgroup}/memory.stat")
+
+
+@requires_root
+def test_the_simulated_host_copy_is_charged_to_the_process_cgroup(node: Node) -> None:
+    """On a real node a checkpoint's host copy is the process's own memory,
+    counted in the container's memory cgroup: that is what the host-memory
+    rule and P8's cgroup peak measure. The simulator's copy must count
+    there too, not in the GPU service's cgroup, and leave it at restore."""
+    p = node.spawn("c", mib=64, check_every=1)
+    node.lab.wait_counter("c")
+    tool = str(node.lab.cuda_checkpoint)
+
+    def cc(*actions: str) -> None:
+        for action in actions:
+            r = subprocess.run([tool, "--action", action, "--pid", str(p.pid)],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+
+    with memory_cgroup([p.pid], 4 << 30) as cg:
+        before = shmem(cg)
+        cc("lock", "checkpoint")
+        held = shmem(cg)
+        assert held - before >= 64 << 20, f"host copy charged elsewhere: shmem {before} -> {held}"
+        cc("restore", "unlock")
+        # Once it computes again its device memory is the GPU's, not its own.
+        counter = node.lab.status("c")["counter"]
+        st = node.lab.wait_counter("c", counter + 2)
+        assert st["intact"] and st["restores"] == 1, st
+        after = shmem(cg)
+        assert held - after >= 64 << 20, f"device memory still charged here: {held} -> {after}"
+
+
 @requires_root
 def test_host_memory_against_the_memory_limit(node: Node) -> None:
     """A checkpoint copies GPU memory into the process: a container whose
@@ -246,6 +285,47 @@ def test_host_memory_against_the_memory_limit(node: Node) -> None:
         v = expect(cfg, ["--pid", str(st["pid"])], "HOST_MEMORY")
         assert "96 MiB" in v["problems"][0]["detail"] and "memory limit" in v["problems"][0]["detail"]
         assert node.lab.status("m")["counter"] > 0
+
+
+@requires_root
+def test_the_storage_path_checks_the_image_disk_not_host_memory(make_node: Any,
+                                                                tmp_path: Path) -> None:
+    """On the storage path the GPU memory never enters host memory: neither
+    MemAvailable nor the memory cgroup's headroom refuses it, the image
+    directory's file system must take all of it instead (no dedupe or
+    compression counted on), and the verdict says which path and why."""
+    node = make_node(driver=590)
+    node.lab.set(cuda_version=13040)
+    p = node.spawn("m", mib=96)
+    st = node.lab.wait_counter("m")
+    rss = int(Path(f"/proc/{st['pid']}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    host = config(node, backend="driver-api", gpu_memory="host")
+    storage = config(node, backend="driver-api", gpu_memory="storage")
+    pid = ["--pid", str(st["pid"])]
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)]).returncode:
+        pytest.skip("cannot mount a tmpfs")
+    try:
+        with memory_cgroup([p.pid], rss + (24 << 20)):
+            v = expect(host, pid, "HOST_MEMORY")
+            assert v["facts"]["gpu_memory_path"] == "host"
+            # Storage: the cgroup's limit does not matter, the disk does.
+            _, v, _ = check(storage, *pid)
+            assert v["ok"] and v["facts"]["gpu_memory_path"] == "storage", v
+            assert "custom storage" in v["facts"]["gpu_memory_path_why"]
+            assert "host memory" not in v["checked"]
+            assert any("not checked (give --image-dir)" in w for w in v["warnings"]), v
+            v = expect(storage, [*pid, "--image-dir", str(small)], "IMAGE_SPACE")
+            detail = v["problems"][0]["detail"]
+            assert "storage path" in detail
+            assert "dedupe and compression not counted on" in detail and str(small) in detail
+            assert v["facts"]["image_gpu_bytes"] >= 96 << 20 > v["facts"]["image_free_bytes"]
+            v = ok(storage, *pid, "--image-dir", str(tmp_path))
+            assert "image space for GPU memory" in v["checked"]
+            assert node.lab.status("m")["counter"] > 0
+    finally:
+        subprocess.run(["umount", str(small)])
 
 
 @requires_root
@@ -500,6 +580,71 @@ def test_restore_side_gpu_memory_in_storage(node: Node, tmp_path: Path) -> None:
     expect(cfg, ["--image", str(d)], "IMAGE_FILE_MISSING", rc=6)
 
 
+def packed_image(d: Path, node: Node, chunks: list[bytes], frames: list[bytes | None]) -> Path:
+    """An image of version 3: blake3 digests, chunks stored as the given zstd
+    frames (None: raw), identical chunks hard links to one file, as the
+    storage path writes them. The process's directory."""
+    import hashlib
+    import os
+
+    import blake3
+
+    proc = d / manifest.STORAGE_DIR / "7"
+    proc.mkdir(parents=True)
+    seen: dict[bytes, str] = {}
+    for k, (chunk, frame) in enumerate(zip(chunks, frames, strict=True)):
+        name = f"gpu0-{k:06d}.chunk"
+        if chunk in seen:
+            os.link(proc / seen[chunk], proc / name)
+        else:
+            (proc / name).write_bytes(chunk if frame is None else frame)
+            seen[chunk] = name
+    size = sum(map(len, chunks))
+    rng = {"size": size, "chunks": [blake3.blake3(c).hexdigest() for c in chunks],
+           "zstd": [0 if f is None else len(f) for f in frames]}
+    raw = json.dumps({"format": 2, "digest": "blake3", "chunk": 4096, "ranges": [rng]}).encode()
+    (proc / manifest.STORAGE_MANIFEST).write_bytes(raw)
+    stored = manifest.GpuStorage(dir=manifest.STORAGE_DIR, digest="blake3", processes=(
+        manifest.StoredProcess(nspid=7, chunk=4096, manifest_sha256=hashlib.sha256(raw).hexdigest(),
+                               manifest_size=len(raw), ranges=(manifest.StorageRange(
+                                   size=size, chunks=tuple(rng["chunks"]),
+                                   zstd=tuple(rng["zstd"])),)),))
+    manifest.write(d, {"container_id": "c", "driver_version": node.lab.config["driver_version"],
+                       "gpus": node.lab.uuids[:1], "processes": [{"nspid": 7, "pid": 7}],
+                       "gpu_storage": stored})
+    return proc
+
+
+def test_restore_side_verifies_compressed_and_shared_chunks(node: Node, tmp_path: Path) -> None:
+    """check --image decompresses each compressed chunk (never past its raw
+    size) and checks the blake3 digest of its raw bytes; a shared chunk is
+    verified under each of its names."""
+    import zstandard
+
+    d = tmp_path / "pimg"
+    d.mkdir()
+    chunks = [bytes(4096), bytes(4096), bytes(range(256)) * 16]
+    z = zstandard.ZstdCompressor(level=3)
+    frames: list[bytes | None] = [z.compress(chunks[0]), z.compress(chunks[0]), None]
+    proc = packed_image(d, node, chunks, frames)
+    m = manifest.read(d)
+    assert m is not None and m.version == manifest.PACKED_VERSION
+    assert (proc / "gpu0-000000.chunk").stat().st_nlink == 2  # stored once
+    node.lab.set(cuda_version=13040)
+    cfg = config(node, backend="driver-api")
+    ok(cfg, "--image", str(d))
+    # A frame of the same length that makes more than the chunk (a bomb), or
+    # other bytes: refused as a checksum problem, nothing allocated past it.
+    bomb = z.compress(bytes(1 << 24))
+    for frame in (bomb[:len(frames[0])].ljust(len(frames[0]), b"\0"),
+                  z.compress(b"\1" * 4096)[:len(frames[0])].ljust(len(frames[0]), b"\0")):
+        (proc / "gpu0-000000.chunk").write_bytes(frame)
+        v = expect(cfg, ["--image", str(d)], "IMAGE_CHECKSUM", rc=6)
+        assert "cudahook-gpu/7/gpu0-000000.chunk" in v["problems"][0]["detail"]
+    (proc / "gpu0-000000.chunk").write_bytes(frames[0])  # type: ignore[arg-type]
+    ok(cfg, "--image", str(d))
+
+
 def test_quick_image_check_samples_the_chunks(node: Node, tmp_path: Path) -> None:
     """--quick reads each process's first and last chunk and a sample of the
     rest; without it, every chunk."""
@@ -527,7 +672,7 @@ def test_quick_image_check_samples_the_chunks(node: Node, tmp_path: Path) -> Non
     m = manifest.read(d)
     assert m is not None
     quick = manifest.storage_files(m, quick=True)
-    names = [n.rsplit("/", 1)[1] for n, _, _ in quick]
+    names = [f.name.rsplit("/", 1)[1] for f in quick]
     assert len(quick) == 1 + 6 and names[0] == manifest.STORAGE_MANIFEST
     assert {"gpu0-000000.chunk", "gpu0-000039.chunk"} <= set(names)
     assert len(manifest.storage_files(m)) == 41

@@ -139,6 +139,7 @@ def test_common_options_go_before_or_after_the_command(node: Node) -> None:
     data = json.loads(r.stdout)
     assert data.pop("criu_registration") in ("none", "global", "gpu-only")
     assert data.pop("metrics_file").endswith("cudahook.prom")
+    assert data.pop("agent") == {"mode": "off", "up": False}
     assert data == {"containers": []}
     # Given after the command, --config wins over one given before it.
     r = subprocess.run([sys.executable, "-m", "cudahook", "--config", cfg, "state", "--pid", "1",

@@ -90,8 +90,8 @@ def test_features_and_doctor_say_which_gpu_memory_path(make_node, tmp_path, cuda
 # -- the custom-storage path in the helper ------------------------------------
 
 
-def storage_api(node):  # type: ignore[no-untyped-def]
-    backend = make_backend(node.lab.settings(backend="driver-api"), Host())
+def storage_api(node, **settings):  # type: ignore[no-untyped-def]
+    backend = make_backend(node.lab.settings(backend="driver-api", **settings), Host())
     assert isinstance(backend, DriverAPI)
     return backend
 
@@ -103,17 +103,19 @@ def state_of(node, pid: int) -> str:  # type: ignore[no-untyped-def]
                           capture_output=True, text=True).stdout.strip()
 
 
-def checkpointed_to_storage(node, tmp_path, mib: int = 4):  # type: ignore[no-untyped-def]
+def checkpointed_to_storage(node, tmp_path, mib: int = 4, content: str = "random",
+                            **settings):  # type: ignore[no-untyped-def]
     """A workload checkpointed through custom storage in 1 MiB chunks: its pid,
-    the image directory and the backend."""
-    node.spawn("w", mib=mib, check_after_restore=True)
+    the image directory and the backend. Random content by default: no two
+    chunks alike, nothing to compress."""
+    node.spawn("w", mib=mib, check_after_restore=True, content=content)
     pid = node.lab.wait_counter("w", 2)["pid"]
-    api = storage_api(node)
+    api = storage_api(node, **settings)
     api.lock(pid, 0)
     image = tmp_path / "image" / f"gpu-memory-{pid}"
     image.parent.mkdir()
     done = api.checkpoint_to_storage(pid, str(image), chunk=1 << 20)
-    assert done == {"ranges": 1, "bytes": (mib << 20) + 8}
+    assert (done["ranges"], done["bytes"], done["digest"]) == (1, (mib << 20) + 8, "blake3")
     return pid, image, api
 
 
@@ -141,7 +143,8 @@ def test_checkpoint_and_restore_through_custom_storage(make_node, tmp_path) -> N
         assert names == ["gpu0-000000.chunk", "gpu0-000001.chunk", "gpu0-000002.chunk",
                          "gpu0-000003.chunk", "gpu0-000004.chunk", "manifest.json"]
         manifest = json.loads((image / "manifest.json").read_text())
-        assert manifest["digest"] == "sha256" and len(manifest["ranges"][0]["chunks"]) == 5
+        assert manifest["digest"] == "blake3" and len(manifest["ranges"][0]["chunks"]) == 5
+        assert "zstd" not in manifest["ranges"][0]  # compression is off by default
         api.restore_from_storage(pid, str(image))
         assert state_of(node, pid) == "locked"
         api.unlock(pid)
@@ -325,3 +328,272 @@ def test_a_storage_checkpoint_that_fails_before_completion_puts_the_memory_back(
     if state == "locked":
         st = healthy_after_restore(node, "w")
         assert st["intact"] and not st["errors"]
+
+
+# -- dedupe and compression ----------------------------------------------------
+
+
+def _inodes(image) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {p.name: p.stat().st_ino for p in image.iterdir() if p.name.endswith(".chunk")}
+
+
+def test_identical_chunks_are_stored_once_and_compressed_and_restore_intact(
+        make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The workload's buffer repeats one block: its four full chunks are one
+    file (links), stored compressed; the digest is of the raw bytes, and the
+    restore decompresses and verifies every chunk on its way in."""
+    node = storage_node(make_node)
+    pid, image, api = checkpointed_to_storage(node, tmp_path, content="pattern",
+                                              gpu_storage_compression="zstd")
+    try:
+        inodes = _inodes(image)
+        assert len(set(inodes.values())) == 2  # four identical chunks, and the tail
+        assert len({inodes[f"gpu0-00000{k}.chunk"] for k in range(4)}) == 1
+        rng = json.loads((image / "manifest.json").read_text())["ranges"][0]
+        assert all(0 < z < 1 << 20 for z in rng["zstd"][:4])
+        assert (image / "gpu0-000000.chunk").stat().st_size == rng["zstd"][0]
+        import blake3
+
+        assert rng["chunks"][0] == blake3.blake3(
+            node_pattern(node, "w")[:1 << 20]).hexdigest()  # of the raw bytes
+        api.restore_from_storage(pid, str(image))
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w")
+    assert st["intact"] and not st["errors"]
+
+
+def node_pattern(node, tag: str) -> bytes:  # type: ignore[no-untyped-def]
+    from cudahook.sim.protocol import pattern
+
+    return pattern(1, node.lab.status(tag)["mib"] << 20)
+
+
+def test_chunks_that_do_not_shrink_are_stored_raw(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node)
+    pid, image, api = checkpointed_to_storage(node, tmp_path, content="random",
+                                              gpu_storage_compression="zstd")
+    try:
+        rng = json.loads((image / "manifest.json").read_text())["ranges"][0]
+        assert "zstd" not in rng  # none shrank: all raw, as with compression off
+        assert (image / "gpu0-000000.chunk").stat().st_size == 1 << 20
+        api.restore_from_storage(pid, str(image))
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w")
+    assert st["intact"] and not st["errors"]
+
+
+def test_a_failed_process_never_takes_a_chunk_another_process_shares(
+        make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two processes of one checkpoint hold the same weights: the second links
+    the first's chunks. When the second one's checkpoint fails and is put
+    back, its files go, and the first one's chunks (the same inodes) stay and
+    restore intact."""
+    import re
+
+    from cudahook.platform.errors import ToolError
+
+    node = storage_node(make_node)
+    node.spawn("w", mib=4, procs=2, same_weights=True, content="random",
+               check_after_restore=True)
+    a = node.lab.wait_counter("w.0", 2)["pid"]
+    b = node.lab.wait_counter("w.1", 2)["pid"]
+    api = storage_api(node, gpu_storage_compression="zstd")
+    root = tmp_path / "image"
+    root.mkdir()
+    try:
+        api.lock(a, 0)
+        api.lock(b, 0)
+        done = api.checkpoint_to_storage(a, str(root / "1"), chunk=1 << 20)
+        assert done["linked"] == 0
+        node.lab.fault("checkpoint-complete", "error", code=999, times=1)
+        with pytest.raises(ToolError, match=re.escape("its GPU memory was put back")):
+            api.checkpoint_to_storage(b, str(root / "2"), chunk=1 << 20)
+        assert not (root / "2").exists()
+        # The index keeps only what a process still links: a's chunks.
+        assert all(p.stat().st_nlink == 2 for p in (root / "by-digest").iterdir())
+        # Now b again: every full chunk is a's.
+        done = api.checkpoint_to_storage(b, str(root / "2"), chunk=1 << 20)
+        # The 4 weight chunks are a's; the last one, the counter, is linked too
+        # when the two locked counters happen to hold the same value.
+        assert done["linked"] in (4, 5) and done["stored"] < 1 << 20
+        assert {k: v for k, v in _inodes(root / "2").items() if k != "gpu0-000004.chunk"} == \
+            {k: v for k, v in _inodes(root / "1").items() if k != "gpu0-000004.chunk"}
+        for pid, sub in ((a, "1"), (b, "2")):
+            api.restore_from_storage(pid, str(root / sub))
+            api.unlock(pid)
+    finally:
+        api.close()
+    for tag in ("w.0", "w.1"):
+        st = healthy_after_restore(node, tag)
+        assert st["intact"] and not st["errors"]
+
+
+@pytest.mark.parametrize("case", ["bomb", "unsized-bomb", "short", "not-zstd", "two-frames",
+                                  "oversized", "symlink", "fifo", "missing"])
+def test_outside_files_read_safely__custom_storage_chunk(tmp_path, case: str) -> None:  # type: ignore[no-untyped-def]
+    """One compressed chunk as the image supplies it: never more than its raw
+    size comes out, a link or special file is never opened, and each bad
+    case is one refusal (Mismatch: the chunk is not what its digest says)."""
+    import os
+
+    import blake3
+    import zstandard
+
+    from cudahook.core.backends import driver_helper as helper
+
+    raw = bytes(range(256)) * 16 * 4  # 16 KiB
+    z = zstandard.ZstdCompressor(level=3)
+    frame = {
+        "bomb": z.compress(raw * 4096),  # 64 MiB out of a few hundred bytes
+        "unsized-bomb": zstandard.ZstdCompressor(write_content_size=False).compress(raw * 64),
+        "short": z.compress(raw[:-1]),
+        "not-zstd": b"\x00" * 64,
+        "two-frames": z.compress(raw) + z.compress(raw),
+        "oversized": z.compress(raw) + b"\x00",
+    }.get(case, z.compress(raw))
+    path = tmp_path / "gpu0-000000.chunk"
+    if case == "symlink":
+        (tmp_path / "real").write_bytes(frame)
+        path.symlink_to(tmp_path / "real")
+    elif case == "fifo":
+        os.mkfifo(path)
+    elif case != "missing":
+        path.write_bytes(frame)
+    stored = len(frame) - (1 if case == "oversized" else 0)  # the manifest's size
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(helper.Refused) as exc:
+            helper.read_chunk(fd, path.name, len(raw), stored, "blake3",
+                              blake3.blake3(raw).hexdigest(), None)
+        assert path.name in str(exc.value) and "\n" not in str(exc.value)
+        if case in ("bomb", "unsized-bomb", "short", "not-zstd", "two-frames"):
+            assert isinstance(exc.value, helper.Mismatch)
+        # The good frame reads.
+        if path.is_symlink() or case in ("fifo", "missing"):
+            path.unlink(missing_ok=True)
+        path.write_bytes(z.compress(raw))
+        helper.read_chunk(fd, path.name, len(raw), len(z.compress(raw)), "blake3",
+                          blake3.blake3(raw).hexdigest(), None)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(("mode", "digest"), [(0o755, "blake3"), (0o777, "sha256"), (0o1777, "sha256"),
+                                              (0o775, "sha256")])
+def test_outside_files_read_safely__helper_imports_only_from_a_trusted_directory(
+        tmp_path, mode: int, digest: str) -> None:  # type: ignore[no-untyped-def]
+    """The helper runs -I -S: blake3 comes only from the directory the parent
+    names, and only if no one but root (or its user) can write there;
+    otherwise a checkpoint falls back to sha256, the standard library's."""
+    import shutil
+    import subprocess
+    import sys
+
+    import blake3
+
+    from cudahook.core.backends import driver_api
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    shutil.copytree(Path(blake3.__file__).parent, lib / "blake3")
+    lib.chmod(mode)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import driver_helper as h; "
+            "h.LIBS[:] = [sys.argv[2]]; print(h._new_digest())")
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code,
+                        str(Path(driver_api.HELPER).parent), str(lib)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == digest
+    # The parent names where its own packages are, without importing them.
+    assert str(Path(blake3.__file__).parent.parent) in driver_api.storage_libs().split(":")
+
+
+def test_with_dedupe_off_every_chunk_is_a_file_of_its_own(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = storage_node(make_node)
+    pid, image, api = checkpointed_to_storage(node, tmp_path, content="pattern",
+                                              gpu_storage_dedupe=False)
+    try:
+        assert len(set(_inodes(image).values())) == 5  # four alike, yet five files
+        assert not (tmp_path / "image" / "by-digest").exists()
+        api.restore_from_storage(pid, str(image))
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w")
+    assert st["intact"] and not st["errors"]
+
+
+@pytest.mark.parametrize("side", ["checkpoint", "restore"])
+def test_a_helper_killed_mid_copy_ends_the_operation_with_the_workload_intact(
+        make_node, tmp_path, side: str) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL of the helper holding a custom-storage operation open (mid
+    copy-out, before cuCheckpointOperationComplete; or mid copy-in): the
+    driver ends the operation with the caller's context, as one that failed
+    inside its call - locked with its memory (checkpoint side) or still
+    checkpointed from the image (restore side) - and a retry brings it back."""
+    import os
+    import signal
+    import threading
+    import time
+
+    node = storage_node(make_node)
+    if side == "checkpoint":
+        node.spawn("w", mib=4, check_after_restore=True)
+        pid = node.lab.wait_counter("w", 2)["pid"]
+        api = storage_api(node)
+        api.lock(pid, 0)
+        image = tmp_path / "image"
+        call = lambda: api.checkpoint_to_storage(pid, str(image), chunk=1 << 20)  # noqa: E731
+    else:
+        pid, image, api = checkpointed_to_storage(node, tmp_path)
+        call = lambda: api.restore_from_storage(pid, str(image))  # noqa: E731
+    copy = "copy-out" if side == "checkpoint" else "copy-in"
+    node.lab.fault(copy, "delay", seconds=30, skip=2, times=1)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    mid = "checkpointing" if side == "checkpoint" else "restoring"
+
+    def fired() -> bool:
+        try:  # read while the simulator rewrites it: an empty file is no answer
+            rules = json.loads((node.lab.root / "faults.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(rules) and rules[0].get("times", 1) <= 0
+
+    deadline = time.monotonic() + 20
+    while not (fired() and state_of(node, pid) == mid):
+        assert time.monotonic() < deadline and t.is_alive(), (errors, state_of(node, pid))
+        time.sleep(0.02)
+    helper = api._helper
+    assert helper is not None
+    os.killpg(helper.proc.pid, signal.SIGKILL)
+    t.join(10)
+    assert not t.is_alive() and errors, "the call did not fail with its helper"
+    node.lab.clear_faults()
+    deadline = time.monotonic() + 5
+    want = "locked" if side == "checkpoint" else "checkpointed"
+    while state_of(node, pid) != want:
+        assert time.monotonic() < deadline, state_of(node, pid)
+        time.sleep(0.02)
+    try:
+        if side == "restore":  # the image is as it was: a retry restores from it
+            api.restore_from_storage(pid, str(image))
+        api.unlock(pid)
+    finally:
+        api.close()
+    st = healthy_after_restore(node, "w") if side == "restore" else None
+    if st is None:
+        st = node.lab.wait_counter("w", node.lab.status("w")["counter"] + 3)
+    assert st["intact"] and not st["errors"], st

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from .conftest import requires_root
+
 CALLER = Path(__file__).with_name("storage_caller.py")
 
 
@@ -204,3 +206,65 @@ def test_the_service_maps_device_memory_in_place_and_gives_it_back_whole() -> No
     assert [bytes(other.buffers[h]) for h in handles] == [image[:1 << 20], image[1 << 20:]]
     assert os.fstat(other.fds[handles[0]]).st_size == 1 << 20
     assert not svc.mappings
+
+
+def test_the_gpu_kits_storage_probe_on_the_simulator(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """tests/gpu's custom-storage probe, its logic run on the simulator so
+    that one run on a real GPU settles the question: before CUDA 13.4 it
+    answers no, with the reason; with it, one process goes through storage
+    and back, measured per GPU, and computes on intact."""
+    from tests.gpu.gpulib import Rig, custom_storage_probe
+
+    rig = Rig.simulated(tmp_path / "rig", driver=590)
+    try:
+        wl = rig.spawn("small", "memory", gib=0.25)
+        wl.wait_ready(60)
+        no = custom_storage_probe(rig, lambda: wl, tmp_path / "no")
+        assert no["supported"] is False and "13.4" in no["why"], no
+        assert no["driver"] and no["cuda_version"] and no["cuda_version"] < 13040, no
+        assert not (tmp_path / "no").exists()
+        rig.lab.set(cuda_version=13040)
+        got = custom_storage_probe(rig, lambda: wl, tmp_path / "yes")
+        assert got["supported"] and got["cuda_version"] == 13040, got
+        assert (got["state_after_checkpoint"], got["state_after_restore"]) == (
+            "checkpointed", "locked"), got
+        ((gpu, m),) = got["per_gpu"].items()
+        assert gpu == rig.gpu_of(wl) and m["bytes"] >= 4 << 20 and got["chunks"] >= 1, got
+        assert m["checkpoint_gb_s"] > 0 and m["restore_gb_s"] > 0, m
+        assert got["intact"] and got["put_back"] == [], got
+        assert got["status_after"]["restores"] == 1, got
+    finally:
+        rig.close()
+
+
+@requires_root
+def test_a_restores_copy_in_charges_the_gpu_not_the_callers_cgroup(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The range a custom-storage restore copies into is device memory: on a
+    real node it takes none of the checkpointer's host memory. A checkpointer
+    run by CRIU's action script sits in the restored container's memory
+    cgroup, so the simulated range must not be charged there either."""
+    from .test_check import memory_cgroup, shmem
+
+    node = storage_node(make_node)
+    node.spawn("w", mib=32, check_after_restore=True)
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    image = tmp_path / "gpu-memory"
+    assert run(node, pid, "checkpoint", image)[-1]["state"] == "checkpointed"
+    with memory_cgroup([], 4 << 30) as cg:
+        procs = cg / "cgroup.procs"
+        caller = subprocess.Popen(
+            [sys.executable, str(CALLER), str(node.lab.libcuda), str(pid), "restore", str(image),
+             "--pause"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            preexec_fn=lambda: procs.write_text(str(os.getpid())))
+        assert caller.stdout is not None and caller.stdin is not None
+        steps = [json.loads(caller.stdout.readline()) for _ in range(2)]
+        assert [s["step"] for s in steps] == ["mapped", "copied"], steps
+        charged = shmem(cg)
+        caller.stdin.write("\n")
+        caller.stdin.flush()
+        out, _ = caller.communicate(timeout=60)
+        assert charged < 4 << 20, f"{charged} bytes of the GPU's range charged to the caller"
+    assert json.loads(out.splitlines()[-1])["state"] == "running"
+    st = healthy_after(node, "w", 1)
+    assert st["intact"] and not st["errors"]

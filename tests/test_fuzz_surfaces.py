@@ -192,6 +192,11 @@ SPEC = {"ociVersion": "1.0.0", "process": {"env": ["PATH=/bin", f"NVIDIA_VISIBLE
 GOOD_MANIFEST = {"version": 1, "container_id": "c", "driver_version": "580.65.06", "gpus": [U0],
                  "vmm": False, "processes": [{"nspid": 7, "pid": 4242, "state": "running"}]}
 MANIFEST = "checkpoint/cudahook-manifest.json"
+# GPU memory in storage, deduplicated: process 8's chunk a hard link to 7's.
+GPU = "checkpoint/cudahook-gpu"
+CHUNK_A, CHUNK_B = f"{GPU}/7/gpu0-000000.chunk", f"{GPU}/8/gpu0-000000.chunk"
+CHUNK_NAMES = [CHUNK_A, CHUNK_B, f"{GPU}/7", f"./{GPU}//7/./gpu0-000000.chunk",
+               f"{GPU}/8/../7/gpu0-000000.chunk", f"{GPU}/../{GPU}/8/x.chunk", f"/{CHUNK_A}"]
 # Names a checkpoint holds, the same names in other spellings, and names no
 # checkpoint holds.
 NAMES = st.one_of(st.sampled_from([
@@ -200,7 +205,8 @@ NAMES = st.one_of(st.sampled_from([
     "checkpoint/./cudahook-manifest.json", "checkpoint/../spec.dump", "./checkpoint/pages-1.img",
     "../spec.dump", "/etc/passwd", "/spec.dump", "a/../../x", "./", "/", ".", "..", "x\ny",
     "\x1b[31mred", "ctl\x07", "é/ü", "\u202espec.dump", "a" * 300,
-    "checkpoint/" + "d/" * 60 + "f", "spec.dump/", "checkpoint/pages-1.img\x00x"]),
+    "checkpoint/" + "d/" * 60 + "f", "spec.dump/", "checkpoint/pages-1.img\x00x",
+    *CHUNK_NAMES]),
     st.text(max_size=20))
 KINDS = {"reg": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE,
          "lnk": tarfile.LNKTYPE, "chr": tarfile.CHRTYPE, "blk": tarfile.BLKTYPE,
@@ -255,7 +261,8 @@ def member(draw: st.DrawFn) -> dict[str, Any]:
                  MANIFEST: manifest_value()}.get(key, st.binary(max_size=64)))
     return {"name": name, "kind": kind, "data": data,
             "size": draw(st.sampled_from([None] * 8 + ["huge", "short", "long"])),
-            "linkname": draw(st.sampled_from(["/etc/shadow", "../../x", "spec.dump", ""]))}
+            "linkname": draw(st.sampled_from(["/etc/shadow", "../../x", "spec.dump", "",
+                                              "checkpoint/pages-1.img", *CHUNK_NAMES]))}
 
 
 def header(m: dict[str, Any], fmt: int) -> bytes:
@@ -304,6 +311,11 @@ def migrate_case(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         members.append({"name": MANIFEST, "kind": "reg", "data": draw(manifest_value()),
                         "size": None, "linkname": ""})
+    if draw(st.booleans()):  # a deduplicated chunk: the one hard link a checkpoint holds
+        members += [{"name": CHUNK_A, "kind": "reg", "data": b"c" * 700, "size": None,
+                     "linkname": ""},
+                    {"name": CHUNK_B, "kind": "lnk", "data": b"", "size": None,
+                     "linkname": draw(st.sampled_from([CHUNK_A, *CHUNK_NAMES]))}]
     for _ in range(draw(st.integers(0, 3))):
         members.insert(draw(st.integers(0, len(members))), draw(member()))
     if draw(st.integers(0, 9)) == 0:  # some members dropped: a spec file missing
@@ -386,11 +398,17 @@ def hostile_by_construction(case: dict[str, Any]) -> list[str]:
             trust == "keys-dir" and sig not in ("good", "none")):
         why.append(f"signature {sig} where {trust}")
     seen: set[str] = set()
+    regular: set[str] = set()  # what a chunk's link may name: an earlier file, no link
     for m in case["members"]:
         name = m["name"]
         norm = posixpath.normpath(name) if name else name
-        if m["kind"] in FORBIDDEN_KINDS:
+        if m["kind"] == "lnk":
+            if not chunk_link_kept(m, regular):
+                why.append(f"member {name!r} is a link to {m['linkname']!r}")
+        elif m["kind"] in FORBIDDEN_KINDS:
             why.append(f"member {name!r} is {m['kind']}")
+        if m["kind"] == "reg" and canonical(name) is not None:
+            regular.add(canonical(name) or "")
         if name.startswith("/") or norm == ".." or norm.startswith("../"):
             why.append(f"member {name!r} escapes")
         if norm in seen and norm not in ("", "."):
@@ -401,6 +419,21 @@ def hostile_by_construction(case: dict[str, Any]) -> list[str]:
     if case["compress"] != "none" and case["cut"]:
         why.append("gzip stream cut short")
     return why
+
+
+def canonical(name: str) -> str | None:
+    """`name` as the archive reader decides on it (None: refused)."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    return None if name.startswith("/") or ".." in parts else "/".join(parts)
+
+
+def chunk_link_kept(m: dict[str, Any], regular: set[str]) -> bool:
+    """The one hard link a checkpoint may hold: a GPU-memory chunk's, with
+    no data, to an earlier regular file of cudahook-gpu/."""
+    name, target = canonical(m["name"]), canonical(m["linkname"])
+    return (name is not None and name.startswith(GPU + "/") and target is not None
+            and target.startswith(GPU + "/") and target in regular
+            and m["size"] in (None, "short"))
 
 
 def lay_sidecar(path: Path, kind: str, good: str) -> None:
@@ -996,3 +1029,276 @@ def test_fuzz_config_yaml(worker: Worker, base: Path, case: dict[str, Any], how:
         # own_directories_only: nothing outside the state changed (modes included).
         assert snapshot(root, allowed=STATE) == before, what
     shutil.rmtree(root)
+
+
+# -- GPU memory in storage: the image's cudahook-gpu/ and the manifest's gpu_storage -------------
+
+
+STORAGE_CHUNK = 4096  # the smallest chunk size: a few chunks per example
+# Integrity problems: one of these for an image whose chunks were tampered with.
+IMAGE_REASONS = {"IMAGE_CHECKSUM", "IMAGE_FILE_MISSING", "MANIFEST_UNREADABLE"}
+CHUNK_ATTACKS = ["truncate", "extend", "flip", "symlink-devzero", "symlink-other", "dangling",
+                 "fifo", "directory", "missing", "bad-frame", "bomb", "unsized-bomb",
+                 "two-frames", "foreign-link"]
+ENTRY_ATTACKS = ["digest-kind", "digest-text", "zstd-length", "zstd-size", "zstd-negative",
+                 "zstd-type", "chunks-count", "chunk-hex", "chunk-size", "dir-traversal",
+                 "nspid", "version-2", "extra-key", "deep", "sizes", "proc-manifest"]
+DIR_ATTACKS = ["storage-symlink", "process-symlink", "index-left", "odd-names"]
+
+
+@st.composite
+def storage_case(draw: st.DrawFn) -> dict[str, Any]:
+    """A good image of two processes holding the same weights (blake3, shared
+    chunks as hard links, compressed where that shrinks), then 0-3 attacks on
+    its chunk files, its manifest's gpu_storage entries and its directories."""
+    procs = draw(st.sampled_from([[7], [7, 9]]))
+    content = [draw(st.sampled_from(["zeros", "ramp", "random"])) for _ in range(3)]
+    compress = [draw(st.booleans()) for _ in range(3)]
+    attacks = draw(st.lists(st.one_of(
+        st.tuples(st.just("chunk"), st.sampled_from(CHUNK_ATTACKS), st.sampled_from(procs),
+                  st.integers(0, 2)),
+        st.tuples(st.just("entry"), st.sampled_from(ENTRY_ATTACKS), st.sampled_from(procs),
+                  st.integers(0, 2)),
+        st.tuples(st.just("dir"), st.sampled_from(DIR_ATTACKS), st.sampled_from(procs),
+                  st.just(0))), max_size=3, unique_by=lambda a: a[:2]))
+    return {"procs": procs, "content": content, "compress": compress, "attacks": attacks,
+            "junk": draw(st.one_of(JSON, TEXT))}
+
+
+def chunk_bytes(label: str, k: int) -> bytes:
+    import random
+
+    return {"zeros": bytes(STORAGE_CHUNK), "ramp": bytes(range(256)) * 16,
+            "random": random.Random(k).randbytes(STORAGE_CHUNK)}[label]
+
+
+def _frame(data: bytes, **kw: Any) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=3, **kw).compress(data)
+
+
+def lay_storage(root: Path, case: dict[str, Any]) -> tuple[Path, bool]:
+    """The image for `case`; whether an attack must show as an integrity
+    problem (every attack but those on names nobody reads)."""
+    import hashlib
+
+    import blake3
+
+    image = root / "image"
+    store = image / "cudahook-gpu"
+    chunks = [chunk_bytes(label, k) for k, label in enumerate(case["content"])]
+    frames: list[bytes | None] = []
+    for data, packed in zip(chunks, case["compress"], strict=True):
+        frame = _frame(data) if packed else b""
+        frames.append(frame if packed and len(frame) < len(data) else None)
+    rng: dict[str, Any] = {"size": 3 * STORAGE_CHUNK,
+                           "chunks": [blake3.blake3(c).hexdigest() for c in chunks],
+                           "zstd": [0 if f is None else len(f) for f in frames]}
+    first: dict[tuple[bytes, bytes | None], Path] = {}
+    procs = []
+    for nspid in case["procs"]:
+        d = store / str(nspid)
+        d.mkdir(parents=True)
+        for k, (data, frame) in enumerate(zip(chunks, frames, strict=True)):
+            path = d / f"gpu0-{k:06d}.chunk"
+            if (data, frame) in first:  # dedupe: one file, linked
+                os.link(first[data, frame], path)
+            else:
+                path.write_bytes(data if frame is None else frame)
+                first[data, frame] = path
+        own = json.dumps({"format": 2, "digest": "blake3", "chunk": STORAGE_CHUNK,
+                          "ranges": [rng]}).encode()
+        (d / "manifest.json").write_bytes(own)
+        procs.append({"nspid": nspid, "chunk": STORAGE_CHUNK,
+                      "manifest": {"sha256": hashlib.sha256(own).hexdigest(), "size": len(own)},
+                      "ranges": [json.loads(json.dumps(rng))]})
+    man: dict[str, Any] = {**GOOD_MANIFEST, "version": 3,
+                           "processes": [{"nspid": n, "pid": 4242 + n, "state": "running"}
+                                         for n in case["procs"]],
+                           "gpu_storage": {"dir": "cudahook-gpu", "digest": "blake3",
+                                           "processes": procs}}
+    integrity = False
+    entries = dict(zip(case["procs"], procs, strict=True))
+    for where, attack, nspid, k in case["attacks"]:
+        entry = entries[nspid]
+        path = store / str(nspid) / f"gpu0-{k:06d}.chunk"
+        if where == "chunk":
+            integrity |= _attack_chunk(store, path, attack, entry, k, chunks[k])
+        elif where == "entry":
+            integrity = True
+            _attack_entry(man, entry, attack, k, case["junk"])
+        else:
+            integrity |= _attack_dir(store, attack, nspid)
+    (image / "cudahook-manifest.json").write_text(json.dumps(man))
+    return image, integrity
+
+
+def _attack_chunk(store: Path, path: Path, attack: str, entry: dict[str, Any], k: int,
+                  raw: bytes) -> bool:
+    rng = entry["ranges"][0]
+    if not path.is_file() or path.is_symlink():  # an earlier attack's: tampered already
+        return True
+    data = path.read_bytes()
+    if attack in ("bomb", "unsized-bomb", "two-frames", "bad-frame"):
+        frame = {"bomb": _frame(raw * 1024),
+                 "unsized-bomb": _frame(raw * 64, write_content_size=False),
+                 "two-frames": _frame(raw) + _frame(raw),
+                 "bad-frame": b"\x28\xb5\x2f\xfd" + bytes(40)}[attack]
+        if len(frame) >= STORAGE_CHUNK:
+            frame = frame[:STORAGE_CHUNK - 1]
+        path.unlink()  # a file of its own: the other links keep theirs
+        path.write_bytes(frame)
+        rng["zstd"][k] = len(frame)  # the manifest agrees on its size: only the frame lies
+        return True
+    path.unlink()
+    if attack == "truncate":
+        path.write_bytes(data[:-1])
+    elif attack == "extend":
+        path.write_bytes(data + b"\0")
+    elif attack == "flip":
+        path.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    elif attack == "symlink-devzero":
+        path.symlink_to("/dev/zero")
+    elif attack == "symlink-other":  # the same bytes, through a link
+        (store.parent / "elsewhere").write_bytes(data)
+        path.symlink_to(store.parent / "elsewhere")
+    elif attack == "dangling":
+        path.symlink_to(store / "nowhere")
+    elif attack == "fifo":
+        os.mkfifo(path)
+    elif attack == "directory":
+        path.mkdir()
+    elif attack == "foreign-link":  # a hard link to a file outside the image
+        outside = store.parent.parent / "outside"
+        outside.write_bytes(b"secret" * 100)
+        os.link(outside, path)
+    return True  # each one changes what the chunk reads as
+
+
+def _attack_entry(man: dict[str, Any], entry: dict[str, Any], attack: str, k: int,
+                  junk: Any) -> None:
+    rng = entry["ranges"][0]
+    if attack == "digest-kind":
+        man["gpu_storage"]["digest"] = "sha256"  # the chunks are blake3's
+    elif attack == "digest-text":
+        man["gpu_storage"]["digest"] = junk
+    elif attack == "zstd-length":
+        rng["zstd"] = rng["zstd"][:-1]
+    elif attack == "zstd-size":
+        rng["zstd"][k] = STORAGE_CHUNK
+    elif attack == "zstd-negative":
+        rng["zstd"][k] = -1
+    elif attack == "zstd-type":
+        rng["zstd"] = junk
+    elif attack == "chunks-count":
+        rng["chunks"] = rng["chunks"][:-1]
+    elif attack == "chunk-hex":
+        rng["chunks"][k] = "../../etc/passwd".ljust(64, "0")
+    elif attack == "chunk-size":
+        entry["chunk"] = junk
+    elif attack == "dir-traversal":
+        man["gpu_storage"]["dir"] = "../../etc"
+    elif attack == "nspid":
+        entry["nspid"] = junk
+    elif attack == "version-2":
+        man["version"] = 2
+    elif attack == "extra-key":
+        rng["\x1b[31mred"] = junk
+        entry["chunks"] = [1] * 3  # a key the schema does not know: kept away from use
+        rng["chunks"][k] = rng["chunks"][(k + 1) % 3]  # and a real digest mismatch
+    elif attack == "deep":
+        rng["zstd"] = json.loads("[" * 200 + "]" * 200)
+    elif attack == "sizes":
+        rng["size"] = junk
+    elif attack == "proc-manifest":
+        entry["manifest"]["sha256"] = "0" * 64
+
+
+def _attack_dir(store: Path, attack: str, nspid: int) -> bool:
+    import shutil as sh
+
+    if attack == "storage-symlink":
+        if store.is_symlink():
+            return True
+        sh.move(store, store.parent / "real-gpu")
+        store.symlink_to("real-gpu")
+        return True
+    if attack == "process-symlink":
+        if not (store / str(nspid)).is_dir() or (store / str(nspid)).is_symlink():
+            return True
+        sh.move(store / str(nspid), store.parent / f"real-{nspid}")
+        (store / str(nspid)).symlink_to(store.parent / f"real-{nspid}")
+        return True
+    if attack == "index-left" and store.is_dir() and not store.is_symlink():
+        (store / "by-digest").mkdir(exist_ok=True)
+        (store / "by-digest" / "x").symlink_to("/etc/shadow")
+        return False  # nothing reads the index at restore
+    if attack == "odd-names" and store.is_dir() and not store.is_symlink():
+        (store / "\x1b]0;title\x07.chunk").write_bytes(b"x")
+        (store / "..chunk").write_bytes(b"x")
+    return False
+
+
+@fuzz("CUDAHOOK_FUZZ_STORAGE", 200)
+@given(case=storage_case())
+def test_fuzz_gpu_storage_image(worker: Worker, base: Path, tools: dict[str, Path],
+                                case: dict[str, Any]) -> None:
+    """`cudahook check --image` over a GPU-memory image from a supplier: the
+    admin command line's contract; the image unchanged (a chunk read never
+    writes, a link never followed, no FIFO waited on); a tampered image
+    reported as one (never passed); an untampered one never reported."""
+    root = new_root(base)
+    node_config(root, tools)
+    image, integrity = lay_storage(root, case)
+    before = snapshot(root, allowed=STATE)
+    result = worker.call({"hook": "cli", "argv": ["--json", "check", "--image", str(image)],
+                          "env": env_for(root), "cwd": str(root), "stdin": ""})
+    tally("gpu storage image", result)
+    what = repr(case)[:3000]
+    with verdict("gpu storage image"):
+        check_cli(result, what)
+        assert snapshot(root, allowed=STATE) == before, what
+        out = json.loads(result["stdout"]) if result["stdout"].strip() else {}
+        codes = {p["code"] for p in out.get("problems", [])}
+        if integrity:  # tampered: never passes
+            assert result["rc"] != 0 and codes & IMAGE_REASONS, (result, what)
+        else:  # only this cli node's missing custom storage
+            assert not codes & IMAGE_REASONS, (codes, result["stdout"][:2000], what)
+    shutil.rmtree(root)
+
+
+@fuzz("CUDAHOOK_FUZZ_STORAGE", 300)
+@given(data=st.one_of(JSON.map(as_bytes), DEEP.map(str.encode), st.binary(max_size=200),
+                      st.fixed_dictionaries({
+                          "format": st.sampled_from([1, 2, 3, "2", None]),
+                          "digest": st.sampled_from(["blake3", "sha256", "md5", "", None]),
+                          "chunk": st.one_of(st.integers(-1, 1 << 31), TEXT),
+                          "ranges": st.lists(st.fixed_dictionaries({
+                              "size": st.one_of(st.integers(-1, 1 << 50), TEXT),
+                              "chunks": st.lists(st.sampled_from(["a" * 64, "A" * 64, "g" * 64,
+                                                                  "a" * 63, 5]), max_size=3),
+                              "zstd": st.one_of(JSON, st.lists(st.integers(-1, 1 << 31),
+                                                               max_size=3))}), max_size=3),
+                      }).map(as_bytes)))
+def test_fuzz_gpu_storage_process_manifest(tmp_path_factory: pytest.TempPathFactory,
+                                           data: bytes) -> None:
+    """The helper's own reading of a process's manifest.json (restore side):
+    one refusal or a manifest every later step can use, never an exception
+    of another kind."""
+    from cudahook.core.backends import driver_helper as helper
+
+    d = tmp_path_factory.mktemp("m")
+    (d / "manifest.json").write_bytes(data)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        m = helper._manifest(fd)
+    except helper.Refused as exc:
+        assert "\n" not in str(exc)
+        return
+    finally:
+        os.close(fd)
+    for rng in m["ranges"]:  # what restore goes on to use, all there and in range
+        for k in range(len(rng["chunks"])):
+            assert 0 <= helper._zstd(rng, k) < helper._chunk_size(rng["size"], m["chunk"], k)  \
+                or helper._zstd(rng, k) == 0

@@ -26,7 +26,10 @@ from .test_criu_action import SCRUBBED, events
 
 MIB = 40  # three 16 MiB chunks: 16, 16, 8 MiB (+8 bytes)
 CHUNKS = 3
+# Two processes that hold the same weights (the same seed): their first two
+# chunks are alike, and alike across them, so every image here is deduped.
 TAGS = ("a", "b")
+COMPRESSION = ("off", "zstd")
 
 # Plays CRIU for a dump: pre-dump twice (CRIU 3.19-4.1.1), then lives on
 # until told, as CRIU does while it dumps.
@@ -137,15 +140,24 @@ def test_checkpoint_and_restore_through_storage_in_the_image(make_node: Any,
         assert dump.calls[0][0] == 0, dump.calls
         assert [state(node, p) for p in pids] == ["checkpointed"] * 2
         m = manifest.read(image)
-        assert m is not None and m.version == manifest.STORAGE_VERSION
+        assert m is not None and m.version == manifest.PACKED_VERSION
         assert m.gpu_storage is not None and m.gpu_storage.dir == "cudahook-gpu"
+        assert m.gpu_storage.digest == "blake3"
         assert sorted(p.nspid for p in m.gpu_storage.processes) == pids
+        import blake3
+
         for p in m.gpu_storage.processes:
             assert [r.size for r in p.ranges] == [(MIB << 20) + 8]
             assert len(p.files()) == CHUNKS
-            for name, size, digest in p.files():
-                data = (image / "cudahook-gpu" / str(p.nspid) / name).read_bytes()
-                assert (len(data), hashlib.sha256(data).hexdigest()) == (size, digest)
+            for f in p.files():
+                data = (image / "cudahook-gpu" / str(p.nspid) / f.name).read_bytes()
+                assert (len(data), blake3.blake3(data).hexdigest()) == (f.size, f.digest)
+        # Stored once: the index is gone, the chunks alike are one file.
+        assert sorted(x.name for x in (image / "cudahook-gpu").iterdir()) == \
+            sorted(map(str, pids))
+        inodes = {(image / "cudahook-gpu" / str(p) / f"gpu0-00000{k}.chunk").stat().st_ino
+                  for p in pids for k in range(CHUNKS)}
+        assert len(inodes) == 3  # the two full chunks, and each process's tail
         # The memory is in the image, not in the processes: the GPU let it go.
         assert not any(p["pid"] in pids for g in node.lab.info()["gpus"]
                        for p in g["processes"])
@@ -179,14 +191,17 @@ def test_host_stays_the_default_path(make_node: Any, tmp_path: Path) -> None:
     healthy(node)  # the dump's "CRIU" exited: the guardian brought them back
 
 
-@pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.parametrize(("sequential", "compression"),
+                         [(False, "off"), (True, "off"), (False, "zstd"), (True, "zstd")])
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_a_failed_chunk_at_checkpoint_leaves_the_workload_running_intact(
-        make_node: Any, tmp_path: Path, chunk: int, sequential: bool) -> None:
+        make_node: Any, tmp_path: Path, chunk: int, sequential: bool, compression: str) -> None:
     """`sequential`: the first process is wholly in storage when the second
-    fails, and comes back from there."""
+    fails, and comes back from there; the second links the first's chunks
+    (the same weights), and its put-back removes none of them."""
     node = storage_node(make_node)
-    script = install(tmp_path, node, sequential=sequential)
+    script = install(tmp_path, node, sequential=sequential,
+                     gpu_storage_compression=compression)
     image = tmp_path / "img"
     image.mkdir()
     init, pids = workloads(node)
@@ -231,8 +246,9 @@ def test_storage_asked_for_without_the_driver_is_refused_untouched(make_node: An
     assert all(node.lab.status(t)["counter"] > counters[t] for t in TAGS)
 
 
-def checkpointed(node: Node, tmp_path: Path) -> tuple[Path, Path, int, list[int], Dump]:
-    script = install(tmp_path, node)
+def checkpointed(node: Node, tmp_path: Path, compression: str = "off"
+                 ) -> tuple[Path, Path, int, list[int], Dump]:
+    script = install(tmp_path, node, gpu_storage_compression=compression)
     image = tmp_path / "img"
     image.mkdir()
     init, pids = workloads(node)
@@ -241,11 +257,13 @@ def checkpointed(node: Node, tmp_path: Path) -> tuple[Path, Path, int, list[int]
     return script, image, init, pids, dump
 
 
+@pytest.mark.parametrize("compression", COMPRESSION)
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_a_flipped_bit_in_any_chunk_is_refused_at_post_restore(make_node: Any, tmp_path: Path,
-                                                                chunk: int) -> None:
+                                                                chunk: int,
+                                                                compression: str) -> None:
     node = storage_node(make_node)
-    script, image, init, pids, dump = checkpointed(node, tmp_path)
+    script, image, init, pids, dump = checkpointed(node, tmp_path, compression)
     try:
         path = image / "cudahook-gpu" / str(pids[1]) / f"gpu0-{chunk:06d}.chunk"
         data = bytearray(path.read_bytes())
@@ -267,11 +285,12 @@ def test_a_flipped_bit_in_any_chunk_is_refused_at_post_restore(make_node: Any, t
         dump.end()
 
 
+@pytest.mark.parametrize("compression", COMPRESSION)
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_a_failed_chunk_at_restore_fails_closed_with_the_image_unchanged(
-        make_node: Any, tmp_path: Path, chunk: int) -> None:
+        make_node: Any, tmp_path: Path, chunk: int, compression: str) -> None:
     node = storage_node(make_node)
-    script, image, init, pids, dump = checkpointed(node, tmp_path)
+    script, image, init, pids, dump = checkpointed(node, tmp_path, compression)
     try:
         before = tree(image)
         node.lab.fault("copy-in", "error", code=999, pid=pids[1], skip=chunk, times=1)
@@ -305,7 +324,7 @@ def test_a_dump_that_fails_after_pre_dump_is_mended_from_storage(make_node: Any,
     """CRIU gone after a storage pre-dump (a failed dump): the guardian
     brings every process back from the image's chunks."""
     node = storage_node(make_node)
-    _, _, _, pids, dump = checkpointed(node, tmp_path)
+    _, _, _, pids, dump = checkpointed(node, tmp_path, "zstd")
     dump.end()
     deadline = time.monotonic() + 30
     while not events(node, "guardian"):
@@ -315,3 +334,121 @@ def test_a_dump_that_fails_after_pre_dump_is_mended_from_storage(make_node: Any,
     assert "error" not in g and sorted(g["pids"]) == pids, g
     assert [state(node, p) for p in pids] == ["running"] * 2
     healthy(node, restored=True)
+
+
+def test_a_runtime_that_removes_the_image_early_is_mended_from_the_kept_chunks(
+        make_node: Any, tmp_path: Path) -> None:
+    """containerd's task service removes CRIU's image directory (copied into
+    its content store) before the task runs again: the guardian restores
+    from the hard links pre-dump kept, and removes them when done."""
+    import shutil
+
+    from cudahook.flow.guardian import KEPT_INFIX
+
+    node = storage_node(make_node)
+    _, image, _, pids, dump = checkpointed(node, tmp_path)
+    shutil.rmtree(image)
+    assert [p.name for p in tmp_path.iterdir() if KEPT_INFIX in p.name]
+    dump.end()
+    deadline = time.monotonic() + 30
+    while not events(node, "guardian"):
+        assert time.monotonic() < deadline, events(node)
+        time.sleep(0.05)
+    g = events(node, "guardian")[0]
+    assert "error" not in g and sorted(g["pids"]) == pids, g
+    assert [state(node, p) for p in pids] == ["running"] * 2
+    healthy(node, restored=True)
+    deadline = time.monotonic() + 10
+    while [p for root in (tmp_path, Path(node.settings().state_dir))
+           for p in root.rglob(f"*{KEPT_INFIX}*")]:
+        assert time.monotonic() < deadline, "the kept chunks outlived the guardian"
+        time.sleep(0.05)
+
+
+def small_disk(tmp_path: Path, mib: int) -> Path:
+    """An image directory on a file system of `mib` MiB of its own."""
+    image = tmp_path / "small-img"
+    image.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs",
+                       str(image)]).returncode:
+        pytest.skip("cannot mount a tmpfs")
+    return image
+
+
+def test_a_full_disk_is_refused_before_anything_is_locked(make_node: Any,
+                                                          tmp_path: Path) -> None:
+    node = storage_node(make_node)
+    script = install(tmp_path, node)
+    init, pids = workloads(node)
+    image = small_disk(tmp_path, 2 * MIB)  # two processes of MIB each: no room
+    try:
+        dump = Dump(script, image, init)
+        try:
+            rc, err = dump.calls[0]
+            assert rc != 0 and "IMAGE_SPACE" in err and "nothing was locked" in err, dump.calls
+            assert [state(node, p) for p in pids] == ["running"] * 2
+            assert list(image.iterdir()) == []
+        finally:
+            dump.end()
+        healthy(node)
+    finally:
+        subprocess.run(["umount", str(image)])
+
+
+def test_the_reserved_space_holds_while_the_processes_are_locked(make_node: Any,
+                                                                 tmp_path: Path) -> None:
+    """The disk fills (someone else's writes) after pre-dump preallocated the
+    GPU memory's space and while the processes are being locked: the
+    copy-out still has its space, and the checkpoint completes."""
+    node = storage_node(make_node)
+    script = install(tmp_path, node)
+    init, pids = workloads(node)
+    image = small_disk(tmp_path, 2 * MIB + 24)
+    node.lab.fault("lock", "delay", seconds=2, pid=pids[0], times=1)
+    filled: list[int] = []
+
+    def fill() -> None:
+        root = image / manifest.STORAGE_DIR
+        deadline = time.monotonic() + 60
+        while not root.exists():  # pre-dump's reservation is being made
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.5)  # made; the first lock now waits out its delay
+        with open(image / "someone-else", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\xff" * (1 << 20))
+                    f.flush()
+                    filled.append(1)
+            except OSError:
+                pass
+
+    import threading
+
+    filler = threading.Thread(target=fill)
+    filler.start()
+    try:
+        dump = Dump(script, image, init)
+        filler.join()
+        try:
+            assert filled, "the disk was never filled"
+            assert dump.calls[0][0] == 0, dump.calls
+            assert [state(node, p) for p in pids] == ["checkpointed"] * 2
+            m = manifest.read(image)
+            assert m is not None and m.gpu_storage is not None
+            import blake3
+
+            assert m.gpu_storage.digest == "blake3"
+            for p in m.gpu_storage.processes:
+                for f in p.files():
+                    data = (image / "cudahook-gpu" / str(p.nspid) / f.name).read_bytes()
+                    assert (len(data), blake3.blake3(data).hexdigest()) == (f.size, f.digest)
+            assert not (image / "cudahook-gpu" / manifest.STORAGE_RESERVE).exists()
+            (image / "someone-else").unlink()  # room for CRIU's own image again
+            steps = restore(script, image, init)
+            assert [s[0] for s in steps] == [0, 0], steps
+            healthy(node, restored=True)
+        finally:
+            dump.end()
+    finally:
+        subprocess.run(["umount", str(image)])

@@ -335,3 +335,79 @@ def test_uninstall_dry_run_changes_nothing(node: Path) -> None:
         rc, out, _ = run(node, "uninstall", prefix, "--dry-run")
         assert rc == 0 and "would remove" in out
         assert tree(node) == before
+
+
+# -- the node agent's service -------------------------------------------------------------------
+
+FAKE_SYSTEMCTL = """#!/bin/sh
+# Stands in for the init system: records each call; fails the verbs in $FAIL_VERBS.
+echo "$*" >> "{calls}"
+for v in $FAIL_VERBS; do [ "$1" = "$v" ] && {{ echo "Failed to $1: unit broken" >&2; exit 1; }}; done
+exit 0
+"""
+
+
+@pytest.fixture
+def systemd(node: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`node` run by systemd (its proc/1/comm), a recording systemctl first
+    on PATH; the calls file, outside the node."""
+    (node / "proc/1").mkdir(parents=True)
+    (node / "proc/1/comm").write_text("systemd\n")
+    calls = tmp_path / "systemctl-calls"
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    (bindir / "systemctl").write_text(FAKE_SYSTEMCTL.format(calls=calls))
+    (bindir / "systemctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.delenv("FAIL_VERBS", raising=False)
+    return calls
+
+
+def systemctl_calls(calls: Path) -> list[str]:
+    seen = calls.read_text().splitlines() if calls.exists() else []
+    calls.unlink(missing_ok=True)
+    return [c for c in seen if not c.startswith("show ")]  # the "does it answer" probe
+
+
+UNIT = installer.UNIT_NAME
+
+
+def test_under_systemd_the_agent_service_is_enabled_when_asked_and_restarted_on_upgrade(
+        node: Path, systemd: Path) -> None:
+    prefix = node / "opt/cudahook"
+    out = install(node, prefix)  # not asked (agent: off, no --agent): reload, restart if running
+    assert systemctl_calls(systemd) == ["daemon-reload", f"try-restart {UNIT}"]
+    assert f"ran systemctl try-restart {UNIT}" in out
+    install(node, prefix, "--agent")  # asked: also enabled and started
+    assert systemctl_calls(systemd) == ["daemon-reload", f"try-restart {UNIT}",
+                                        f"enable --now {UNIT}"]
+    # `agent: auto` in the configuration asks for it too.
+    config = node / "etc/cudahook/config.yaml"
+    config.write_text(config.read_text().replace("\nagent: off", "\nagent: auto"))
+    install(node, prefix)
+    assert systemctl_calls(systemd)[-1] == f"enable --now {UNIT}"
+    rc, out, _ = run(node, "install", prefix, "--dry-run", "--agent")
+    assert rc == 0 and f"would run systemctl enable --now {UNIT}" in out
+    assert systemctl_calls(systemd) == []
+    rc, out, _ = run(node, "uninstall", prefix)
+    assert rc == 0 and systemctl_calls(systemd) == [f"disable --now {UNIT}", "daemon-reload"]
+    assert not (node / installer.AGENT_UNIT.lstrip("/")).exists()
+
+
+def test_under_systemd_a_failing_systemctl_is_one_line_and_exit_1(
+        node: Path, systemd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAIL_VERBS", "enable")
+    rc, _, err = run(node, "install", node / "opt/cudahook", "--agent", "--owns",
+                     str(node / "opt/cudahook/venv"))
+    assert rc == 1 and err.count("\n") == 1, err
+    assert f"systemctl enable --now {UNIT} failed: Failed to enable: unit broken" in err
+
+
+def test_without_systemd_as_pid_1_no_systemctl_is_called(node: Path, systemd: Path) -> None:
+    (node / "proc/1/comm").write_text("init\n")
+    out = install(node, node / "opt/cudahook", "--agent")
+    assert not systemd.exists()  # not even asked whether it answers
+    assert "no systemd here: the node agent starts on demand" in out
+    (node / "proc/1/comm").unlink()  # a node in a directory with no proc/ at all
+    install(node, node / "opt/cudahook", "--agent")
+    assert not systemd.exists()

@@ -343,11 +343,13 @@ def test_the_manifest_post_restore_keeps_reaches_post_resume_typed(tmp_path: Pat
 
 
 def stored(nspids: tuple[int, ...] = (7, 9), size: int = 10000,
-           chunks: int = 3) -> manifest.GpuStorage:
-    return manifest.GpuStorage(dir=manifest.STORAGE_DIR, processes=tuple(
+           chunks: int = 3, digest: str = "sha256",
+           zstd: tuple[int, ...] = ()) -> manifest.GpuStorage:
+    return manifest.GpuStorage(dir=manifest.STORAGE_DIR, digest=digest, processes=tuple(
         manifest.StoredProcess(nspid=n, chunk=4096, manifest_sha256="a" * 64, manifest_size=99,
                                ranges=(manifest.StorageRange(size=size,
-                                                             chunks=("b" * 64,) * chunks),))
+                                                             chunks=("b" * 64,) * chunks,
+                                                             zstd=zstd),))
         for n in nspids))
 
 
@@ -359,9 +361,26 @@ def test_gpu_memory_in_storage_is_version_2_and_round_trips(tmp_path: Path) -> N
                                                              "chunks": ["b" * 64] * 3}]
     m = manifest.read(tmp_path)
     assert m is not None and m.gpu_storage == stored() and m.gpu_storage.bytes == 20000
-    assert [f[:2] for f in m.gpu_storage.processes[0].files()] == [
+    assert [(f.name, f.size) for f in m.gpu_storage.processes[0].files()] == [
         ("gpu0-000000.chunk", 4096), ("gpu0-000001.chunk", 4096), ("gpu0-000002.chunk", 1808)]
     assert manifest.parse(json.dumps(m.to_dict()).encode()) == m.replace(digest=digest_of(m))
+
+
+def test_blake3_or_compressed_chunks_are_version_3_and_round_trip(tmp_path: Path) -> None:
+    """An older cudahook refuses such an image by its version; this one reads
+    each chunk's compressed size, and the raw size stays what a restore needs."""
+    packed = stored(digest="blake3", zstd=(100, 0, 1807))
+    manifest.write(tmp_path, {**DATA, "gpu_storage": packed})
+    raw = json.loads((tmp_path / manifest.NAME).read_text())
+    assert raw["version"] == manifest.PACKED_VERSION == 3
+    assert raw["gpu_storage"]["digest"] == "blake3"
+    assert raw["gpu_storage"]["processes"][0]["ranges"][0]["zstd"] == [100, 0, 1807]
+    m = manifest.read(tmp_path)
+    assert m is not None and m.gpu_storage == packed and m.gpu_storage.bytes == 20000
+    assert [(f.size, f.zstd, f.kind) for f in m.gpu_storage.processes[0].files("blake3")] == [
+        (4096, 100, "blake3"), (4096, 0, "blake3"), (1808, 1807, "blake3")]
+    # Compression alone, with sha256, is version 3 too.
+    assert stored(zstd=(1, 0, 0)).version == 3 and stored().version == 2
 
 
 def digest_of(m: Manifest) -> str:
@@ -381,6 +400,14 @@ def test_version_1_images_still_read(tmp_path: Path) -> None:
     ({**DATA, "version": 2, "gpu_storage": stored(chunks=2).to_dict()}, "2 chunks for 10000"),
     ({**DATA, "version": 2, "gpu_storage": {**stored().to_dict(), "dir": "../etc"}},
      "gpu_storage"),
+    ({**DATA, "version": 2, "gpu_storage": stored(digest="blake3").to_dict()}, "need version 3"),
+    ({**DATA, "version": 2, "gpu_storage": stored(zstd=(1, 1, 1)).to_dict()}, "need version 3"),
+    ({**DATA, "version": 3, "gpu_storage": stored(digest="md5").to_dict()}, "digest"),
+    ({**DATA, "version": 3, "gpu_storage": stored(zstd=(1, 1)).to_dict()}, "one per chunk"),
+    ({**DATA, "version": 3, "gpu_storage": stored(zstd=(1, 4096, 1)).to_dict()},
+     "smaller than the chunk"),
+    ({**DATA, "version": 3, "gpu_storage": stored(zstd=(1, -1, 1)).to_dict()}, "zstd"),
+    ({**DATA, "version": 3}, "only it"),
 ])
 def test_bad_gpu_storage_is_a_manifest_error(tmp_path: Path, data: Any, words: str) -> None:
     write_raw(tmp_path, data)

@@ -442,3 +442,68 @@ def test_own_directories_only__metrics_never_write_through_a_linked_state_dir(tm
     assert metrics.update(settings, metrics.Changes("c1").inc("cudahook_restores_total",
                                                               outcome="failed")) is False
     assert list(elsewhere.iterdir()) == []
+
+
+def _agent_info(pid: int, **over: object) -> dict[str, object]:
+    from cudahook.platform.host import Host
+
+    return {"pid": pid, "start": Host().start_time(pid), "version": "580.65.06", "calls": 7,
+            "served": 3, "sessions": 1, "rss_bytes": 5 << 20, "workers_rss_bytes": 9 << 20,
+            **over}
+
+
+def test_the_agent_is_in_the_metrics_while_it_lives_and_up_0_after(tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    prom = Path(s.metrics_file)  # type: ignore[arg-type]
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert metrics.update_agent(s, _agent_info(proc.pid))
+        found = samples(prom)
+        assert value(found, "cudahook_agent_up", pid=str(proc.pid), driver="580.65.06") == 1
+        assert value(found, "cudahook_agent_calls_total") == 7
+        assert value(found, "cudahook_agent_sessions_total") == 3
+        assert value(found, "cudahook_agent_sessions") == 1
+        assert value(found, "cudahook_agent_resident_bytes", process="agent") == 5 << 20
+        assert value(found, "cudahook_agent_resident_bytes", process="workers") == 9 << 20
+        # A container's event keeps the agent's entry, and the container's series.
+        assert _count(s, "c1", now=__import__("time").time())
+        found = samples(prom)
+        assert value(found, "cudahook_agent_calls_total") == 7
+        assert value(found, "cudahook_checkpoints_total", container="c1") == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    # Killed without a word: the next write reads that it is gone.
+    assert _count(s, "c1", now=__import__("time").time())
+    found = samples(prom)
+    assert value(found, "cudahook_agent_up", pid=str(proc.pid)) == 0
+    assert value(found, "cudahook_agent_calls_total") is None
+    # An agent that ends says so itself.
+    assert metrics.update_agent(s, _agent_info(os.getpid(), exited=True))
+    assert value(samples(prom), "cudahook_agent_up", pid=str(os.getpid())) == 0
+
+
+def test_untrusted_strings_bounded__the_agent_entry_is_fixed_and_escaped(tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    prom = Path(s.metrics_file)  # type: ignore[arg-type]
+    state = Path(s.state_dir) / metrics.STATE_NAME
+    hostile = _agent_info(os.getpid(), version='5"8\n0\\' + "x" * (2 << 20), extra="y" * 10000,
+                          calls=float("nan"), sessions=float("inf"), served=True)
+    assert metrics.update_agent(s, hostile)
+    sizes = []
+    for i in range(200):
+        assert metrics.update_agent(s, {**hostile, "calls": i})
+        sizes.append(state.stat().st_size)
+    assert max(sizes) < 2048 and max(sizes) - sizes[10] <= 2, sizes  # replaced, never grown
+    found = samples(prom)  # prometheus_client parses the escaped label back
+    (driver,) = [dict(ls)["driver"] for (n, ls), _ in found.items() if n == "cudahook_agent_up"]
+    assert driver.startswith('5"8\n0\\x') and len(driver) == 64
+    assert value(found, "cudahook_agent_calls_total") == 199
+    assert value(found, "cudahook_agent_sessions") == 0  # inf and a bool are no numbers
+    assert value(found, "cudahook_agent_sessions_total") == 0
+    # A damaged entry in the state is dropped, never fatal to a container's write.
+    data = json.loads(state.read_text())
+    data["agent"] = {"pid": "x", "version": ["a"]}
+    state.write_text(json.dumps(data))
+    assert _count(s, "c2", now=__import__("time").time())
+    assert value(samples(prom), "cudahook_agent_up") is None

@@ -18,13 +18,20 @@ import sys
 import tarfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from cudahook.admin import migrate
 from cudahook.admin.cli import main
-from cudahook.core.manifest import FileSum, Manifest
+from cudahook.core.manifest import (
+    FileSum,
+    GpuStorage,
+    Manifest,
+    StorageRange,
+    StoredProcess,
+)
 from cudahook.platform.errors import Exit, NotRestorableHere, UsageError
 
 
@@ -754,6 +761,30 @@ def test_exit_codes_one_table__a_changed_or_missing_image_file_is_6(tmp_path: Pa
     assert exc.value.reason == "IMAGE_FILE_MISSING"
 
 
+def test_exit_codes_one_table__a_changed_or_missing_chunk_is_6(tmp_path: Path) -> None:
+    """GPU memory in storage: every chunk and the per-process manifest the
+    archive holds, against the manifest's digests, before podman runs."""
+    def sha(b: bytes) -> str:
+        return hashlib.sha256(b).hexdigest()
+
+    chunks, meta = [b"a" * 16, b"b" * 16, b"c" * 8], b'{"chunks": 3}'
+    files = {f"checkpoint/cudahook-gpu/7/gpu0-{k:06d}.chunk": c for k, c in enumerate(chunks)}
+    stored = GpuStorage("cudahook-gpu", (StoredProcess(
+        7, 16, sha(meta), len(meta), (StorageRange(40, tuple(sha(c) for c in chunks)),)),))
+    m = Manifest((), gpu_storage=stored)
+    whole = {**MEMBERS, "checkpoint/cudahook-gpu/7/manifest.json": meta, **files}
+    migrate.verify_files(m, migrate.scan(archive(tmp_path, whole)).hashed)
+    changed = {**whole, "checkpoint/cudahook-gpu/7/gpu0-000001.chunk": b"b" * 15 + b"B"}
+    with pytest.raises(NotRestorableHere) as exc:
+        migrate.verify_files(m, migrate.scan(archive(tmp_path, changed)).hashed)
+    assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE
+    assert "gpu0-000001.chunk" in str(exc.value)
+    missing = {k: v for k, v in whole.items() if not k.endswith("gpu0-000002.chunk")}
+    with pytest.raises(NotRestorableHere) as exc:
+        migrate.verify_files(m, migrate.scan(archive(tmp_path, missing)).hashed)
+    assert exc.value.reason == "IMAGE_FILE_MISSING"
+
+
 @pytest.mark.parametrize("process", [[1], {"env": "A=1"}, {"env": [1]}, "x"])
 def test_one_line_errors__a_malformed_spec_is_bad_input(process: object) -> None:
     spec = {"process": process}
@@ -809,3 +840,160 @@ def test_one_line_errors__a_malformed_config_dump_is_bad_input(tmp_path: Path,
     a = archive(tmp_path, {**MEMBERS, "config.dump": data})
     r = node.restore(a)
     refused(r, Exit.USAGE, "config.dump in the archive", node)
+
+
+# -- GPU memory in storage, deduplicated: chunks that are hard links -------------
+
+GPU = "checkpoint/cudahook-gpu"
+A0, A1, B0 = f"{GPU}/7/gpu0-000000.chunk", f"{GPU}/7/gpu0-000001.chunk", f"{GPU}/8/gpu0-000000.chunk"
+
+
+def link(name: str, target: str, size: int = 0) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.size = tarfile.LNKTYPE, target, size
+    return info.tobuf(tarfile.PAX_FORMAT) + padded(b"d" * size)
+
+
+def member(name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type, info.size = kind, len(data)
+    return info.tobuf(tarfile.PAX_FORMAT) + padded(data)
+
+
+def chunks_tar(*extra: bytes) -> bytes:
+    """podman's export of a deduplicated image: process 8's chunk is a link
+    to process 7's first (the same bytes), written after it."""
+    return (BASE + member(GPU, kind=tarfile.DIRTYPE) + member(f"{GPU}/7", kind=tarfile.DIRTYPE)
+            + member(A0, b"a" * 64) + member(A1, b"b" * 64)
+            + member(f"{GPU}/8", kind=tarfile.DIRTYPE) + b"".join(extra) + END)
+
+
+def test_archive_bounded__a_chunk_linked_to_an_earlier_chunk_is_carried_as_a_link(
+        tmp_path: Path) -> None:
+    """The one hard link a checkpoint holds: a GPU-memory chunk to an earlier
+    one of cudahook-gpu/ (its target spelled any way; the copy names it
+    canonically), hashed as its target, a link again once extracted."""
+    a = write(tmp_path, chunks_tar(link(B0, f"./{GPU}//7/./gpu0-000000.chunk")))
+    found = migrate.scan(a, tmp_path / "copy.tar")
+    assert found.hashed[B0] == found.hashed[A0] == (hashlib.sha256(b"a" * 64).hexdigest(), 64)
+    assert found.at[B0] == found.at[A0]
+    with tarfile.open(tmp_path / "copy.tar") as t:
+        got = t.getmember(B0)
+        assert got.islnk() and got.linkname == A0 and got.size == 0
+        t.extractall(tmp_path / "out")  # the copy cudahook wrote: names it checked
+    out = tmp_path / "out"
+    assert (out / B0).read_bytes() == b"a" * 64 and (out / B0).stat().st_nlink == 2
+    assert (out / B0).stat().st_ino == (out / A0).stat().st_ino
+    node = Node(tmp_path)
+    r = node.restore(a)
+    assert r.returncode == 0, r.stderr
+    assert any(c[:2] == ["container", "restore"] for c in node.calls())
+
+
+HOSTILE_LINKS = {
+    # name: (what follows process 7's chunks, what the one line says)
+    "outside-the-gpu-tree": (link("checkpoint/pages-2.img", A0), "is a hard link: a checkpoint"),
+    "spec-to-a-chunk": (link("spec2.dump", A0), "is a hard link: a checkpoint"),
+    "to-outside-the-gpu-tree": (link(B0, "checkpoint/pages-1.img"), "only a link to an earlier"),
+    "to-a-spec": (link(B0, "spec.dump"), "only a link to an earlier"),
+    "to-a-later-member": (link(B0, f"{GPU}/8/gpu0-000001.chunk")
+                          + member(f"{GPU}/8/gpu0-000001.chunk", b"c" * 64),
+                          "only a link to an earlier"),
+    "to-itself": (link(B0, B0), "only a link to an earlier"),
+    "to-nothing": (link(B0, f"{GPU}/9/gpu0-000000.chunk"), "only a link to an earlier"),
+    "to-a-directory": (link(B0, f"{GPU}/7"), "only a link to an earlier"),
+    "to-a-symlink": (member(f"{GPU}/8/s", kind=tarfile.SYMTYPE) + link(B0, f"{GPU}/8/s"),
+                     "is a symlink"),
+    "to-a-fifo": (member(f"{GPU}/8/f", kind=tarfile.FIFOTYPE) + link(B0, f"{GPU}/8/f"),
+                  "is a FIFO"),
+    "a-chain": (link(B0, A0) + link(f"{GPU}/8/gpu0-000001.chunk", B0),
+                "only a link to an earlier"),
+    "with-data": (link(B0, A0, size=5), "hard link"),
+    "absolute-target": (link(B0, "/" + A0), "absolute name"),
+    "target-climbs-out": (link(B0, f"{GPU}/8/../7/gpu0-000000.chunk"), "leaves the archive"),
+    "target-leaves-the-archive": (link(B0, "../../etc/shadow"), "leaves the archive"),
+    "name-climbs-out": (link(f"{GPU}/8/../../../x.chunk", A0), "leaves the archive"),
+    "twice": (link(B0, A0) + link(B0, A1), "appears twice"),
+    "under-a-link": (link(B0, A0) + member(f"{B0}/x", b"x"), "is under a file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_LINKS))
+def test_archive_bounded__hard_links_but_chunk_to_earlier_chunk_refused(
+        tmp_path: Path, case: str) -> None:
+    """Every other hard link (and every way of spelling one out of the GPU
+    tree) is refused in one line, exit 2, before podman runs, nothing left."""
+    extra, why = HOSTILE_LINKS[case]
+    node = Node(tmp_path)
+    a = write(tmp_path, chunks_tar(extra))
+    refused(node.restore(a), Exit.USAGE, why, node)
+
+
+def test_archive_names_canonical__hard_link_targets_are_normalised(tmp_path: Path) -> None:
+    """A link's target is decided on its canonical name, as a member's is: a
+    `./`, `//`, `/./` spelling of an earlier chunk is that chunk; `..` is
+    refused however it would have ended."""
+    ok = write(tmp_path, chunks_tar(link(B0, f"{GPU}/./7//gpu0-000001.chunk")))
+    assert migrate.scan(ok).hashed[B0] == migrate.scan(ok).hashed[A1]
+    bad = write(tmp_path, chunks_tar(link(B0, f"{GPU}/7/../7/gpu0-000001.chunk")))
+    with pytest.raises(UsageError, match="leaves the archive"):
+        migrate.scan(bad)
+
+
+def stored_manifest(kind: str, digest: Callable[[bytes], str], zstd: tuple[int, ...] = ()) -> Manifest:
+    """Processes 7 (chunks a, b) and 8 (chunk a), their manifests `meta`."""
+    meta = hashlib.sha256(b"{}").hexdigest()
+    a, b = digest(b"a" * 64), digest(b"b" * 64)
+    return Manifest((), gpu_storage=GpuStorage("cudahook-gpu", (
+        StoredProcess(7, 64, meta, 2, (StorageRange(128, (a, b), zstd),)),
+        StoredProcess(8, 64, meta, 2, (StorageRange(64, (a,), zstd[:1]),))), digest=kind))
+
+
+def metas() -> bytes:
+    return member(f"{GPU}/7/manifest.json", b"{}") + member(f"{GPU}/8/manifest.json", b"{}")
+
+
+def test_exit_codes_one_table__a_link_to_the_wrong_chunk_is_6(tmp_path: Path) -> None:
+    """A link is checked as the file it names: one that names another chunk
+    than the manifest's is IMAGE_CHECKSUM, exit 6, before podman runs."""
+    m = stored_manifest("sha256", lambda b: hashlib.sha256(b).hexdigest())
+    good = migrate.scan(write(tmp_path, chunks_tar(metas(), link(B0, A0))))
+    migrate.verify_files(m, good.hashed)
+    wrong = migrate.scan(write(tmp_path, chunks_tar(metas(), link(B0, A1))))
+    with pytest.raises(NotRestorableHere) as exc:
+        migrate.verify_files(m, wrong.hashed)
+    assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE
+    assert "8/gpu0-000000.chunk" in str(exc.value)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_exit_codes_one_table__a_blake3_or_zstd_chunk_is_read_back_from_the_copy(
+        tmp_path: Path, compressed: bool) -> None:
+    """blake3 digests (of the raw bytes, maybe stored compressed): the scan's
+    sha256 cannot prove them, so each chunk - a link as its target - is read
+    back from the copy and checked by the driver helper's own rule."""
+    blake3 = pytest.importorskip("blake3")
+    zstandard = pytest.importorskip("zstandard")
+
+    def stored(data: bytes) -> bytes:
+        return zstandard.ZstdCompressor(write_content_size=True).compress(data) \
+            if compressed else data
+
+    sa, sb = stored(b"a" * 64), stored(b"b" * 64)
+    m = stored_manifest("blake3", lambda b: blake3.blake3(b).hexdigest(),
+                        (len(sa), len(sb)) if compressed else ())
+
+    def tar(target: str, b_data: bytes = sb) -> bytes:
+        return (BASE + metas() + member(A0, sa) + member(A1, b_data) + link(B0, target) + END)
+
+    for n, (target, b_data, ok) in enumerate([(A0, sb, True), (A1, sb, False),
+                                              (A0, sb[:-1] + bytes([sb[-1] ^ 1]), False)]):
+        copy = tmp_path / f"copy{n}.tar"
+        found = migrate.scan(write(tmp_path, tar(target, b_data)), copy)
+        assert migrate.verify_files(m, found.hashed) == 3  # no copy: left to post-restore
+        if ok:
+            assert migrate.verify_files(m, found.hashed, found.at, copy) == 0
+            continue
+        with pytest.raises(NotRestorableHere) as exc:
+            migrate.verify_files(m, found.hashed, found.at, copy)
+        assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE

@@ -93,14 +93,17 @@ def test_status_shows_containers_processes_and_timelines(node) -> None:  # type:
     row = lines[2].split()
     assert row[:3] == ["job-1", "running", node.lab.uuids[0][:12]], lines
     assert row[3].endswith("d") and row[4:] == ["ago", "ok", "2m", "ago", "refused"], lines
-    assert lines[3:] == ["(2 not running or gone: cudahook status --all)"], lines
+    assert lines[3:] == ["(2 not running or gone: cudahook status --all)",
+                         "node agent: not running (agent: off): each driver-API phase attaches "
+                         "the driver itself"], lines
     assert "|" not in r.stdout and "checkpointed" not in r.stdout
-    assert len(lines) == 4
+    assert len(lines) == 5
 
     # --all: the others too, one line each.
     lines = cli(cfg, "status", "--all").stdout.splitlines()
-    rows = {ln.split()[0]: ln.split() for ln in lines[2:]}
-    assert set(rows) == {"job-1", "gone-2", "stopped-3"} and len(lines) == 5, lines
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:-1]}
+    assert set(rows) == {"job-1", "gone-2", "stopped-3"} and len(lines) == 6, lines
+    assert lines[-1].startswith("node agent: not running"), lines
     assert rows["gone-2"][1:3] == ["gone", "-"] and rows["gone-2"][3] == "-"
     assert rows["gone-2"][-1] == "FAILED" and rows["stopped-3"][1:3] == ["not", "running"]
 

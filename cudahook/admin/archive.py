@@ -5,8 +5,14 @@ by a tar reader that understands only what a podman checkpoint holds -
 regular files and directories, with POSIX (pax) or GNU long names - and
 refuses everything else before acting on it:
 
-- sparse members (old GNU, or pax `GNU.sparse.*`), links, devices, FIFOs,
+- sparse members (old GNU, or pax `GNU.sparse.*`), symlinks, devices, FIFOs,
   global pax headers, and any type it does not know;
+- hard links, but one under `checkpoint/cudahook-gpu/` (GPU-memory chunks
+  the checkpoint stored once, `gpu_storage_dedupe`) to an earlier regular
+  file of that subtree: no link to a link, a directory, a later member or
+  anything outside it. The copy carries it as a link to that canonical name
+  (the extractor makes a link between two names of its own tree), and the
+  link's name is hashed as its target was;
 - names that are absolute or climb out (`..`), or that name the same member
   twice once normalised (`./x`, `a//b` and `a/./b` are `x`, `a/b`);
 - more unpacked bytes than the cap (`migrate_max_unpacked_bytes`): each
@@ -33,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from cudahook.core.manifest import STORAGE_DIR
 from cudahook.platform.errors import EnvironmentProblem, UsageError, one_line
 
 BLOCK = 512
@@ -87,12 +94,18 @@ def canonical(raw: str, archive: str) -> str | None:
     return "/".join(parts) or None
 
 
+#: The one subtree whose members may be hard links (to an earlier file of
+#: it): GPU memory in storage, deduplicated chunk by chunk.
+LINKED_TREE = "checkpoint/" + STORAGE_DIR + "/"
+
+
 class Member:
-    __slots__ = ("gid", "gname", "mode", "mtime", "name", "size", "type", "uid", "uname",
-                 "xattrs")
+    __slots__ = ("gid", "gname", "linkname", "mode", "mtime", "name", "size", "type", "uid",
+                 "uname", "xattrs")
 
     def __init__(self) -> None:
         self.name = ""
+        self.linkname = ""  # a hard link's target (canonical once scan keeps it)
         self.type = tarfile.REGTYPE
         self.size = self.mode = self.uid = self.gid = 0
         self.mtime = 0.0
@@ -102,10 +115,14 @@ class Member:
     def isdir(self) -> bool:
         return self.type == tarfile.DIRTYPE
 
+    def islink(self) -> bool:
+        return self.type == tarfile.LNKTYPE
+
     def header(self) -> bytes:
         """This member's header in the copy: written here, from what was checked."""
         info = tarfile.TarInfo(self.name)
         info.type, info.size, info.mode = self.type, self.size, self.mode
+        info.linkname = self.linkname
         info.uid, info.gid, info.mtime = self.uid, self.gid, self.mtime
         info.uname, info.gname = self.uname, self.gname
         info.pax_headers = dict(self.xattrs)
@@ -266,6 +283,10 @@ class Scan:
     def __init__(self) -> None:
         self.small: dict[str, bytes] = {}
         self.hashed: dict[str, tuple[str, int]] = {}  # name: (sha256, size)
+        #: Where a hashed member's data lies in the copy (offset, size): its
+        #: bytes read back for a digest other than sha256 (a link: its target's).
+        self.at: dict[str, tuple[int, int]] = {}
+        self.links: dict[str, str] = {}  # hard link: its target
         self.names: set[str] = set()
         self.sha256 = ""
         self.raw_bytes = 0
@@ -318,7 +339,7 @@ def _members(stream: Stream, archive: str) -> Iterator[Member]:
             continue
         if kind == b"S":
             raise ArchiveRefused(f"{archive}: sparse member (not in a checkpoint)")
-        if kind not in (b"0", b"\0", b"5"):
+        if kind not in (b"0", b"\0", b"5", b"1"):
             what = {b"1": "a hard link", b"2": "a symlink", b"3": "a device", b"4": "a device",
                     b"6": "a FIFO", b"g": "a global pax header", b"K": "a link"}.get(kind)
             raw = long_name or _text(block[0:100])
@@ -341,9 +362,19 @@ def _members(stream: Stream, archive: str) -> Iterator[Member]:
                 raise ArchiveRefused(f"{archive}: malformed pax size")
             size = int(pax["size"])
         name = canonical(raw, archive)
-        m.type = tarfile.DIRTYPE if kind == b"5" else tarfile.REGTYPE
+        m.type = {b"5": tarfile.DIRTYPE, b"1": tarfile.LNKTYPE}.get(kind, tarfile.REGTYPE)
         if m.isdir() and size:
             raise ArchiveRefused(f"{archive}: directory {show(raw)} with data")
+        if m.islink():
+            if size:
+                raise ArchiveRefused(f"{archive}: hard link {show(raw)} with data")
+            # Which links are kept is scan's decision (it knows the earlier members).
+            target = pax.get("linkpath", _text(block[157:257]))
+            if len(target) > MAX_NAME:
+                raise ArchiveRefused(f"{archive}: a link target longer than {MAX_NAME}")
+            if name is None or not target:
+                raise ArchiveRefused(hard_link_refused(archive, raw))
+            m.linkname = target  # as written: scan canonicalises it, if it keeps the link
         m.size = size
         # Permission bits only: setuid, setgid and sticky have no place on
         # the files of a checkpoint image.
@@ -361,6 +392,12 @@ def _members(stream: Stream, archive: str) -> Iterator[Member]:
             continue  # the archive's root directory: nothing to keep
         m.name = name
         yield m
+
+
+def hard_link_refused(archive: str, name: str) -> str:
+    """The one line for a hard link the reader does not keep."""
+    return (f"{archive}: member {show(name)} is a hard link: a checkpoint holds only files and "
+            "directories")
 
 
 def _pax_int(pax: dict[str, str], key: str, default: int, archive: str) -> int:
@@ -398,6 +435,7 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
     try:
         stream = Stream(fd, what, max_bytes, deadline, timeout_s)
         files: set[str] = set()
+        regular: set[str] = set()  # files that are no link: what a link may name
         for m in _members(stream, what):
             if m.name in out.names:
                 raise ArchiveRefused(f"{what}: member {show(m.name)} appears twice")
@@ -405,9 +443,14 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
             for i in range(1, len(parts)):
                 if "/".join(parts[:i]) in files:
                     raise ArchiveRefused(f"{what}: member {show(m.name)} is under a file")
+            if m.islink():
+                _check_link(m, regular, what)
+                out.links[m.name] = m.linkname
             out.names.add(m.name)
             if not m.isdir():
                 files.add(m.name)
+                if not m.islink():
+                    regular.add(m.name)
             # Stop at the first member past the cap, before reading its data.
             if stream.out + m.size > max_bytes:
                 raise ArchiveRefused(f"{what}: member {show(m.name)} ({m.size} bytes) takes the "
@@ -426,6 +469,14 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
                 assert copy is not None
                 copy.write(header)
                 written += len(header)
+            if m.islink():
+                # No data: the link's name holds its target's bytes.
+                if m.linkname in out.hashed:
+                    out.hashed[m.name] = out.hashed[m.linkname]
+                if m.linkname in out.at:
+                    out.at[m.name] = out.at[m.linkname]
+                out.members += 1
+                continue
             keep = m.name in small
             if keep and m.size > SMALL_LIMIT:
                 raise ArchiveRefused(f"{what}: {show(m.name)} is {m.size} bytes, past "
@@ -452,6 +503,8 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
                 out.small[m.name] = b"".join(kept)
             if h is not None:
                 out.hashed[m.name] = (h.hexdigest(), m.size)
+                if to_copy:
+                    out.at[m.name] = (written - pad - m.size, m.size)
             out.members += 1
         stream.drain()
         out.sha256 = stream.sha256.hexdigest()
@@ -463,6 +516,19 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
         os.close(fd)
 
 
+def _check_link(m: Member, regular: set[str], archive: str) -> None:
+    """A hard link is kept only inside LINKED_TREE, to an earlier regular
+    file there (`regular`: those seen so far, links excluded): never to a
+    link, a directory, a later member or anything outside."""
+    if not m.name.startswith(LINKED_TREE):
+        raise ArchiveRefused(hard_link_refused(archive, m.name))
+    m.linkname = canonical(m.linkname, archive) or ""
+    if not m.linkname.startswith(LINKED_TREE) or m.linkname not in regular:
+        raise ArchiveRefused(f"{archive}: member {show(m.name)} is a hard link to "
+                             f"{show(m.linkname)}: only a link to an earlier file of "
+                             f"{LINKED_TREE} is kept")
+
+
 def read_member(archive: Path, name: str, limit: int, timeout_s: float = 60.0) -> bytes | None:
     """One member's data (None if absent), reading only up to it."""
     from cudahook.platform import safeio
@@ -472,7 +538,7 @@ def read_member(archive: Path, name: str, limit: int, timeout_s: float = 60.0) -
     try:
         stream = Stream(fd, what, DEFAULT_MAX_BYTES, time.monotonic() + timeout_s, timeout_s)
         for m in _members(stream, what):
-            if m.name == name and not m.isdir():
+            if m.name == name and not m.isdir() and not m.islink():
                 if m.size > limit:
                     raise ArchiveRefused(f"{what}: {show(name)} is past {limit} bytes")
                 return stream.read(m.size)

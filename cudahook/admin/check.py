@@ -132,8 +132,14 @@ def _facts(f: dict[str, Any]) -> list[str]:
         out.append(f"{len(f['cuda_processes'])} CUDA process(es)")
     if isinstance(f.get("gpu_memory_bytes"), int):
         out.append(f"GPU memory {_mib(f['gpu_memory_bytes'])}")
+    if "gpu_memory_path" in f:
+        out.append(f"GPU memory to {f['gpu_memory_path'] or 'nowhere'} "
+                   f"({f.get('gpu_memory_path_why', '')})")
     if isinstance(f.get("host_memory_available_bytes"), int):
         out.append(f"host MemAvailable {_mib(f['host_memory_available_bytes'])}")
+    if "image_gpu_bytes" in f and "image_expected_bytes" not in f:
+        out.append(f"GPU memory to write {_mib(f['image_gpu_bytes'])}, "
+                   f"{_mib(f['image_free_bytes'])} free")
     if "image_expected_bytes" in f:
         out.append(f"image about {_mib(f['image_expected_bytes'])}, "
                    f"{_mib(f['image_free_bytes'])} free")

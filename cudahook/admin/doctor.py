@@ -6,7 +6,6 @@ A fail is blocking: checkpoints would not work, or would not be safe.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -55,25 +54,13 @@ def _gpu_memory(ctx: Context) -> Check:
 
 def _agent(ctx: Context) -> Check:
     """The node agent: up (what it holds), or why phases attach themselves."""
-    from cudahook.core import agent_client
+    from .status import agent_text, agent_view
 
-    info = agent_client.status(ctx.settings, timeout=2.0)
-    if info is None:
-        how = ("the first driver-API phase starts one (agent: auto)" if
-               ctx.settings.agent == "auto" else "each driver-API phase attaches the driver "
-               "itself (agent: off)")
-        return Check("node agent", "ok", f"not running: {how}",
-                     "" if ctx.settings.agent == "auto" else "`cudahook agent start` (or the "
-                     "cudahook-agent service) takes the attach off the critical path")
-    rss = ""
-    with contextlib.suppress(Exception):
-        status = (ctx.host.proc / str(int(info["pid"])) / "status").read_text()
-        kib = next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
-        rss = f", {kib >> 10} MiB"
-    return Check("node agent", "ok",
-                 f"running, pid {info.get('pid')}, driver {str(info.get('version') or '?')[:40]}"
-                 f"{rss}; {info.get('served')} sessions served, {info.get('idle_workers')} "
-                 "workers attached")
+    view = agent_view(ctx.settings)
+    hint = "" if view["up"] or ctx.settings.agent == "auto" else (
+        "`cudahook agent start` (or the cudahook-agent service) takes the attach off the "
+        "critical path")
+    return Check("node agent", "ok", agent_text(view), hint)
 
 
 def run_checks(ctx: Context, root: str | None = None) -> list[Check]:

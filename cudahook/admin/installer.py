@@ -1,7 +1,8 @@
 """What install.sh does once the virtual environment exists: place the hook
 executables, the configuration, the log rotation rule, the node agent's
-systemd unit (not enabled) and the commands,
-register runtimes, and undo all of it on --uninstall. Every file it touches
+systemd unit and the commands, register runtimes, run the node agent's
+service where systemd runs and it is asked for (and restart a running agent
+on the new code), and undo all of it on --uninstall. Every file it touches
 outside the prefix goes through the prefix's own journal, so uninstall puts
 the system back byte for byte and touches nothing another installation did.
 Standard library only (install.sh may run it with the system Python).
@@ -14,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
+from cudahook.core.agent_client import EXIT_ANOTHER_AGENT
 from cudahook.platform import paths
 
 from . import configure, hookfiles
@@ -45,22 +49,133 @@ def logrotate_rule(log_file: Path) -> str:
             "\tmissingok\n\tnotifempty\n\tcreate 0600 root root\n}\n")
 
 
-# The node agent's service (core/agent.py): installed, never enabled or
-# started here - `systemctl enable --now cudahook-agent` is the operator's
-# choice, and hooks fall back to attaching themselves while it is not up.
+# The node agent's service (core/agent.py): always installed; enabled and
+# started only where systemd runs and the agent is asked for (install.sh
+# --agent, or `agent: auto` in the configuration). Hooks fall back to
+# attaching themselves while it is not up.
 AGENT_UNIT = "/etc/systemd/system/cudahook-agent.service"
+UNIT_NAME = "cudahook-agent.service"
+SYSTEMCTL_TIMEOUT_S = 90  # a stop lets the calls in flight finish first
 
 
 def agent_unit(python: str, config: Path) -> str:
     return ("# cudahook: the node agent (installed by install.sh; removed by --uninstall).\n"
-            "# Start it with: systemctl enable --now cudahook-agent\n"
+            "# install.sh --agent enables and starts it; by hand: "
+            "systemctl enable --now cudahook-agent\n"
             "[Unit]\n"
             "Description=cudahook node agent: driver calls served warm for GPU checkpoints\n"
             "After=nvidia-persistenced.service\n\n"
             "[Service]\nType=simple\n"
             f"ExecStart={python} -I -m cudahook.core.agent --config {config}\n"
-            "Restart=on-failure\n\n"
+            "Restart=on-failure\n"
+            f"RestartPreventExitStatus={EXIT_ANOTHER_AGENT}\n\n"
             "[Install]\nWantedBy=multi-user.target\n")
+
+
+def systemd_runs(root: str) -> bool:
+    """PID 1 is systemd and systemctl answers. /proc/1/comm is read under
+    the root like every node path: a node kept in a directory never reaches
+    the host's systemd."""
+    try:
+        comm = paths.at("/proc/1/comm", root).read_text().strip()
+    except OSError:
+        return False
+    if comm != "systemd" or not shutil.which("systemctl"):
+        return False
+    try:
+        return _systemctl("show", "--property=Version").returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _systemctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["systemctl", *args], capture_output=True, text=True,
+                          timeout=SYSTEMCTL_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+def config_asks_agent(config: Path) -> bool:
+    """`agent: auto` in the configuration (a plain top-level line: the
+    installer reads no YAML, it may run on the system Python)."""
+    try:
+        text = config.read_text(errors="replace")
+    except OSError:
+        return False
+    found = re.findall(r"(?m)^agent:[ \t]*['\"]?([A-Za-z]+)", text)
+    return bool(found) and found[-1] == "auto"
+
+
+def _agent_cli(python: str, root: str, config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`cudahook agent ...` on the installed code, for this root's node."""
+    env = {**os.environ, paths.ROOT_ENV: "" if root in ("", "/") else root}
+    return subprocess.run([python, "-I", "-m", "cudahook", "agent", *args,
+                           "--config", str(config)], capture_output=True, text=True, env=env,
+                          timeout=SYSTEMCTL_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+def agent_running(python: str, root: str, config: Path) -> bool:
+    import json
+
+    try:
+        r = _agent_cli(python, root, config, "status", "--json")
+        return r.returncode == 0 and json.loads(r.stdout).get("up") is True
+    except (OSError, ValueError, AttributeError, subprocess.TimeoutExpired):
+        return False
+
+
+def agent_service(python: str, root: str, config: Path, *, want: bool, dry_run: bool) -> list[str]:
+    """The node agent after the files changed, as lines to print. systemd:
+    reload the unit, restart a running agent on the new code (try-restart),
+    and enable and start it when `want`. Elsewhere hooks start it on demand
+    (`agent: auto`): an agent running now is restarted on the new code.
+    Raises OSError when a step fails."""
+    if systemd_runs(root):
+        steps = [("daemon-reload",), ("try-restart", UNIT_NAME)]
+        if want:
+            steps.append(("enable", "--now", UNIT_NAME))
+        out = []
+        for step in steps:
+            if dry_run:
+                out.append(f"would run systemctl {' '.join(step)}")
+                continue
+            r = _systemctl(*step)
+            if r.returncode != 0:
+                raise OSError(f"systemctl {' '.join(step)} failed: {r.stderr.strip()[:300]}")
+            out.append(f"ran systemctl {' '.join(step)}")
+        return out
+    out = []
+    if want:
+        out.append("no systemd here: the node agent starts on demand with `agent: auto` "
+                   "(or by `cudahook agent start`)")
+    if not agent_running(python, root, config):
+        return out
+    if dry_run:
+        return [*out, "would restart the running node agent on the new code"]
+    for action in ("stop", "start"):
+        r = _agent_cli(python, root, config, action)
+        if r.returncode != 0:
+            raise OSError(f"cudahook agent {action} failed: {(r.stdout + r.stderr).strip()[:300]}")
+    return [*out, "restarted the running node agent on the new code"]
+
+
+def agent_remove(python: str, root: str, config: Path, dry_run: bool) -> list[str]:
+    """Before the files go: the service stopped and disabled (systemd), or
+    a running agent stopped."""
+    verb = "would run" if dry_run else "ran"
+    if systemd_runs(root):
+        step = ("disable", "--now", UNIT_NAME)
+        if not dry_run:
+            r = _systemctl(*step)
+            if r.returncode != 0 and paths.at(AGENT_UNIT, root).exists():
+                raise OSError(f"systemctl {' '.join(step)} failed: {r.stderr.strip()[:300]}")
+        return [f"{verb} systemctl {' '.join(step)}"]
+    if not Path(python).exists() or not agent_running(python, root, config):
+        return []
+    if dry_run:
+        return ["would stop the running node agent"]
+    r = _agent_cli(python, root, config, "stop")
+    if r.returncode != 0:
+        raise OSError(f"cudahook agent stop failed: {(r.stdout + r.stderr).strip()[:300]}")
+    return ["stopped the running node agent"]
 
 
 def install_changes(prefix: Path, python: str, root: str, source: Path,
@@ -144,6 +259,10 @@ def install(args: argparse.Namespace) -> int:
                                         dry_run=args.dry_run,
                                         criu_registration=args.criu_registration):
             print(line)
+    config = paths.at(paths.CONFIG, args.root)
+    for line in agent_service(args.python, args.root, config, dry_run=args.dry_run,
+                              want=args.agent or config_asks_agent(config)):
+        print(line)
     return 0
 
 
@@ -160,6 +279,10 @@ def uninstall(args: argparse.Namespace) -> int:
         print(f"nothing installed at {prefix} (no journal at {j.path})")
         return 0
     rest = others(root, prefix)
+    if not rest:  # the last installation: its agent goes first
+        for line in agent_remove(str(prefix / "venv/bin/python"), root,
+                                 paths.at(paths.CONFIG, root), dry):
+            print(line)
     skip = _hand_over(j, rest, root, dry)
     criu_owned = [d for d in j.owned() if Path(d) == prefix / "criu"]
     if args.keep_criu:
@@ -199,6 +322,8 @@ def uninstall(args: argparse.Namespace) -> int:
     _remove_prefix(prefix, marker, args.keep_criu and criu_owned, dry)
     if not dry:  # what is left was handed over or kept: this installation is gone
         j._write({"entries": [], "owned": []})
+    if not rest and not dry and systemd_runs(root):
+        _systemctl("daemon-reload")  # the unit file is gone
     log = paths.at(paths.LOG_FILE, root)
     if log.exists():
         print(f"kept {log}: the record of past checkpoints and restores (remove it and "
@@ -302,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--owns", action="append", default=[],
                    help="a directory install.sh created in the prefix (removed on uninstall)")
     p.add_argument("--criu-link", help="the CRIU install.sh provided: link it as criu on PATH")
+    p.add_argument("--agent", action="store_true",
+                   help="run the node agent's service (where systemd runs)")
     args = p.parse_args(argv)
     args.prefix = os.path.normpath(args.prefix or str(paths.at(paths.PREFIX, args.root)))
     try:

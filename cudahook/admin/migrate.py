@@ -36,7 +36,7 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,7 @@ from cudahook.platform.errors import (
 from . import archive as ar
 
 if TYPE_CHECKING:
-    from cudahook.core.manifest import Manifest
+    from cudahook.core.manifest import Manifest, StoredFile
 
 MANIFEST = "checkpoint/cudahook-manifest.json"
 SPEC_FILES = ("spec.dump", "config.dump")
@@ -422,18 +422,68 @@ def _manifest(small: dict[str, bytes]) -> Manifest | None:
         raise NotRestorableHere(one_line(str(exc)), reason="MANIFEST_UNREADABLE") from exc
 
 
-def verify_files(m: Manifest, hashed: dict[str, tuple[str, int]]) -> None:
-    """cudahook's own files the manifest names, as the archive holds them:
-    exit 6 when one is missing or changed (IMAGE_FILE_MISSING,
-    IMAGE_CHECKSUM), as `cudahook check --image` says."""
-    for name, want in sorted(m.files.items()):
-        got = hashed.get(f"checkpoint/{name}")
+def verify_files(m: Manifest, hashed: dict[str, tuple[str, int]],
+                 at: dict[str, tuple[int, int]] | None = None, copy: Path | None = None
+                 ) -> int:
+    """cudahook's own files the manifest names, as the archive holds them,
+    and every chunk of GPU memory in storage with its per-process manifest
+    (a hard link as the file it names): exit 6 when one is missing or
+    changed (IMAGE_FILE_MISSING, IMAGE_CHECKSUM), as `cudahook check
+    --image` says - before podman creates anything, rather than at
+    post-restore. The scan's sha256 proves a raw sha256 chunk; a blake3 or
+    compressed one is read back from `copy` (where `at` says) and checked
+    as the driver helper checks it. How many chunks had no copy to be read
+    from (a dry run: post-restore checks them)."""
+    from cudahook.core import manifest
+
+    def differs(name: str, what: str) -> NotRestorableHere:
+        return NotRestorableHere(f"{ar.show(name)}: {what} or size differs from the "
+                                 "manifest's", reason="IMAGE_CHECKSUM")
+
+    wanted = [manifest.StoredFile(name=name, size=want.size, digest=want.sha256)
+              for name, want in sorted(m.files.items())]
+    unread: list[manifest.StoredFile] = []
+    for f in wanted + manifest.storage_files(m):
+        got = hashed.get(f"checkpoint/{f.name}")
         if got is None:
-            raise NotRestorableHere(f"{ar.show(name)}: missing from the archive's image",
+            raise NotRestorableHere(f"{ar.show(f.name)}: missing from the archive's image",
                                     reason="IMAGE_FILE_MISSING")
-        if got != (want.sha256, want.size):
-            raise NotRestorableHere(f"{ar.show(name)}: sha256 or size differs from the "
-                                    "manifest's", reason="IMAGE_CHECKSUM")
+        if f.kind == "sha256" and not f.zstd:
+            if got != (f.digest, f.size):
+                raise differs(f.name, "sha256")
+        elif got[1] != (f.zstd or f.size):
+            raise differs(f.name, f.kind)
+        else:
+            unread.append(f)
+    if copy is None or at is None:
+        return len(unread)
+    _check_in_copy(copy, at, unread, differs)
+    return 0
+
+
+def _check_in_copy(copy: Path, at: dict[str, tuple[int, int]], files: list[StoredFile],
+                   differs: Callable[[str, str], NotRestorableHere]) -> None:
+    """Each of `files` read back from the copy this run wrote, and checked by
+    the driver helper's own rule (digest of the raw bytes, decompression
+    never past the raw size)."""
+    from cudahook.core.backends import driver_helper as helper
+
+    if not files:
+        return
+    fd = os.open(copy, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for f in files:
+            offset, size = at[f"checkpoint/{f.name}"]
+            data = os.pread(fd, size, offset)
+            try:
+                helper.check_stored(f.name, memoryview(data), f.size, f.zstd, f.kind, f.digest)
+            except (helper.Mismatch, helper.Refused) as exc:
+                raise differs(f.name, f.kind) from exc
+            except ImportError as exc:
+                raise EnvironmentProblem(f"{ar.show(f.name)}: its digest or compression needs "
+                                         f"{exc.name or exc}") from exc
+    finally:
+        os.close(fd)
 
 
 def _peek_manifest(archive: Path) -> Manifest | None:
@@ -637,8 +687,9 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
             m = _manifest(found.small)
             targets: list[str] | None = None
             mapping = None
+            unread = 0
             if m is not None:
-                verify_files(m, found.hashed)
+                unread = verify_files(m, found.hashed, found.at, copy)
                 targets, mapping = plan(ctx, m, gpus)
                 verified.append("restore gate")
             elif gpus:
@@ -659,6 +710,10 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
             not_verified = [] if origin else [
                 "origin (" + ("signature present, no trusted key: --verify-key" if has_sig
                               else "unsigned") + ")"]
+            if unread:
+                not_verified.append(f"the digests of {unread} GPU-memory chunk(s) (blake3 or "
+                                    "compressed: read back from the copy, which a dry run does "
+                                    "not write; post-restore checks them)")
             result = {"archive": str(archive), "sha256": found.sha256, "container": final,
                       "gpus": targets, "source_gpus": list(m.gpus) if m else None,
                       "device_map": mapping, "verified": verified,

@@ -42,7 +42,50 @@ def gather(ctx: Context, *, live: bool = True) -> dict[str, Any]:
     for c in out:
         c["metrics"] = series.get(c["id"], {})
     return {"criu_registration": criu_registration(), "containers": out,
-            "metrics_file": str(metrics.metrics_path(ctx.settings) or "")}
+            "metrics_file": str(metrics.metrics_path(ctx.settings) or ""),
+            "agent": agent_view(ctx.settings)}
+
+
+AGENT_FIELDS = ("pid", "version", "calls", "served", "sessions", "in_flight", "idle_workers",
+                "rss_bytes", "workers_rss_bytes")
+
+
+def agent_view(settings: Any, *, full: bool = False) -> dict[str, Any]:
+    """The node agent as status and doctor show it: up or not (and how
+    phases attach then), and while up what its status answers (`full`: all
+    of it, its sessions and workers too)."""
+    import os
+
+    from cudahook.core import agent_client
+
+    info = None
+    if os.path.exists(agent_client.socket_path(settings)):
+        info = agent_client.status(settings, timeout=2.0)
+    if info is None:
+        return {"up": False, "mode": settings.agent}
+    keys = info if full else AGENT_FIELDS
+    return {"up": True, "mode": settings.agent,
+            **{k: info.get(k) for k in keys if info.get(k) is not None and k != "ok"}}
+
+
+def agent_text(view: dict[str, Any]) -> str:
+    """One line (escaped, capped) for `agent_view`."""
+    from cudahook.platform.errors import one_line
+
+    if not view.get("up"):
+        how = ("the first driver-API phase starts one" if view.get("mode") == "auto"
+               else "each driver-API phase attaches the driver itself")
+        return f"not running (agent: {one_line(str(view.get('mode')), 8)}): {how}"
+
+    def mib(key: str) -> str:
+        value = view.get(key)
+        return f"{value >> 20} MiB" if type(value) is int else "?"
+
+    return one_line(
+        f"running, pid {view.get('pid')}, driver {str(view.get('version') or '?')[:40]}; "
+        f"{view.get('calls', '?')} calls in {view.get('served', '?')} sessions served, "
+        f"{view.get('sessions', '?')} open; {mib('rss_bytes')} resident "
+        f"(+{mib('workers_rss_bytes')} in {view.get('idle_workers', '?')} idle workers)", 240)
 
 
 def criu_registration() -> str:
@@ -185,6 +228,8 @@ def render(data: dict[str, Any], *, show_all: bool = False, now: float | None = 
         lines.append("no GPU containers running" if not show_all else "no GPU containers known")
     if hidden:
         lines.append(f"({hidden} not running or gone: cudahook status --all)")
+    if "agent" in data:
+        lines.append(f"node agent: {agent_text(data['agent'])}")
     return "\n".join(lines)
 
 

@@ -48,6 +48,7 @@ import time
 
 from cudahook.core.agent_client import (  # noqa: F401 - the agent's names, for its callers
     CLIENT_GRACE_S,
+    EXIT_ANOTHER_AGENT,
     FIELDS,
     HELLO_MAX,
     LOCKFILE,
@@ -69,6 +70,7 @@ from cudahook.core.agent_client import (  # noqa: F401 - the agent's names, for 
     status,
     trusted_uid,
 )
+from cudahook.platform.ids import PID_MAX_LIMIT
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -80,6 +82,52 @@ if TYPE_CHECKING:
 
 
 # -- the agent process -----------------------------------------------------------
+
+# The socket is an input surface (peers are root, but still parsed): every
+# line is bounded, a request's fields are checked before a worker sees them,
+# and any line that is not a request gets one error line back.
+LINE_MAX = HELLO_MAX  # a call is some 100 bytes, a restore's GPU pairs a few KiB
+MAX_CONNECTIONS = 256  # served at once (each is a thread); past it, refused
+LOCK_TIMEOUT_MAX_MS = 3_600_000  # the driver's lock wait, at most an hour
+PAIRS_MAX = 64  # GPU pairs of one restore
+HEX_UUID = frozenset("0123456789abcdefABCDEF")
+
+
+def bad_call(call: dict[str, Any]) -> str | None:
+    """What is wrong with a call's fields (FIELDS), or None: a worker gets
+    only a known op, one real target PID and well-typed arguments."""
+    if call.get("op") not in OPS or type(call.get("pid")) is not int \
+            or not 0 < call["pid"] <= PID_MAX_LIMIT:
+        return "a call names one op and one target pid"
+    timeout = call.get("timeout_ms", 0)
+    if type(timeout) is not int or not 0 <= timeout <= LOCK_TIMEOUT_MAX_MS:
+        return f"timeout_ms is a whole number of milliseconds up to {LOCK_TIMEOUT_MAX_MS}"
+    pairs = call.get("pairs", [])
+    if not (isinstance(pairs, list) and len(pairs) <= PAIRS_MAX and all(
+            isinstance(p, list) and len(p) == 2 and all(
+                isinstance(u, str) and len(u) == 32 and set(u) <= HEX_UUID for u in p)
+            for p in pairs)):
+        return f"pairs is a list of at most {PAIRS_MAX} [old, new] GPU UUIDs in hex"
+    return None
+
+
+def _refusal(stage: str, error: str) -> dict[str, Any]:
+    return {"ready": False, "stage": stage, "error": error[:200]}
+
+
+def _bad_request(error: str) -> dict[str, Any]:
+    return {"id": None, "ok": False, "code": 1, "name": "bad request", "error": error[:200]}
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS), 0 when it is gone."""
+    from cudahook.platform.host import Host
+    from cudahook.platform.procfs import ProcessGone
+
+    try:
+        return int(Host().status(pid).get("VmRSS", "0 kB").split()[0]) << 10
+    except (OSError, ProcessGone, ValueError, IndexError):
+        return 0
 
 
 class _Session:
@@ -111,6 +159,10 @@ class Agent:
         self.stopping = False
         self.last_active = time.monotonic()
         self.served = 0
+        self.calls = 0
+        self.connections = 0
+        self.changed = threading.Event()  # sessions ended: the metrics are due
+        self.publishing = threading.Lock()
         self.listener: socket.socket | None = None
 
     # -- the driver and its workers ------------------------------------------------
@@ -169,7 +221,8 @@ class Agent:
         with self.lock:
             while self.idle:
                 worker = self.idle.pop()
-                if not worker.dead:
+                # One killed while idle may not be marked dead yet: its exit says.
+                if not worker.dead and worker.proc.poll() is None:
                     break
             else:
                 worker = None
@@ -192,11 +245,27 @@ class Agent:
     # -- sessions ------------------------------------------------------------------
 
     def handle(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.connections += 1
+            full = self.connections > MAX_CONNECTIONS
         try:
-            self._handle(conn)
-        except (OSError, ValueError, TimeoutError, ConnectionError):
+            if full:
+                _send(conn, _refusal("busy", f"more than {MAX_CONNECTIONS} connections at once"))
+            else:
+                self._handle(conn)
+        except (ValueError, TimeoutError, RecursionError) as exc:
+            # A first line that is no hello (nor control): one line says why.
+            with contextlib.suppress(OSError):
+                _send(conn, _refusal("refused", f"bad hello: {type(exc).__name__}: {exc}"))
+        except OSError:
             pass
+        except Exception as exc:  # a fault here costs this connection, said, never the agent
+            self._log("agent", error=f"serving a connection: {type(exc).__name__}: {exc}"[:300])
+            with contextlib.suppress(OSError):
+                _send(conn, _refusal("error", f"the agent failed: {type(exc).__name__}"))
         finally:
+            with self.lock:
+                self.connections -= 1
             conn.close()
 
     def _handle(self, conn: socket.socket) -> None:
@@ -212,7 +281,7 @@ class Agent:
         reader = conn.makefile("rb")
         line = reader.readline(HELLO_MAX)
         if not line.endswith(b"\n"):
-            raise ValueError("no hello line")
+            raise ValueError(f"no hello line (a line of at most {HELLO_MAX} bytes)")
         first = json.loads(line)
         if not isinstance(first, dict):
             raise ValueError("not an object")
@@ -283,10 +352,9 @@ class Agent:
         def handle(req: dict[str, Any]) -> dict[str, Any] | None:
             ident = req.get("id")
             call = {k: req[k] for k in FIELDS if k in req}
-            if call.get("op") not in OPS or type(call.get("pid")) is not int \
-                    or call["pid"] <= 0 or type(ident) is not int:
-                return {"id": ident, "ok": False, "code": 1, "name": "bad request",
-                        "error": "a call names one op and one target pid"}
+            wrong = bad_call(call) or (None if type(ident) is int else "a call has an integer id")
+            if wrong:
+                return {**_bad_request(wrong), "id": ident if type(ident) is int else None}
             if self.driver_changed():
                 return lost(ident, "the driver changed under the agent")
             deadline = self.settings.call_timeout_s
@@ -297,6 +365,7 @@ class Agent:
                 deadline = float(asked)
             with self.lock:
                 session.in_flight += 1
+                self.calls += 1
             try:
                 reply = session.worker.call(call, deadline)
             finally:
@@ -307,7 +376,29 @@ class Agent:
             return {**reply, "id": ident}
 
         say({**session.worker.hello, "agent": os.getpid()})
-        serve_lines(reader, handle, say)
+        serve_lines(self._requests(reader, say), handle, say)
+
+    @staticmethod
+    def _requests(reader: Any, say: Any) -> Any:
+        """The session's lines that are JSON objects, each at most LINE_MAX
+        bytes; any other line is answered with one error. An over-long line
+        ends the session: what follows it cannot be told from a request."""
+        while True:
+            line = reader.readline(LINE_MAX)
+            if not line:
+                return
+            if len(line) >= LINE_MAX and not line.endswith(b"\n"):
+                say(_bad_request(f"a line longer than {LINE_MAX} bytes: the session ends"))
+                return
+            try:
+                req = json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                say(_bad_request(f"not JSON: {type(exc).__name__}"))
+                continue
+            if isinstance(req, dict):
+                yield line
+            else:
+                say(_bad_request(f"a request is a JSON object, not {type(req).__name__}"))
 
     def _end_session(self, session: _Session) -> None:
         """The hook closed its end (or went away). A call still in flight is
@@ -322,32 +413,59 @@ class Agent:
         with self.lock:
             self.sessions.discard(session)
             self.last_active = time.monotonic()
+        self.changed.set()
         self._warm()  # a worker lost with the session is replaced
 
     # -- control -------------------------------------------------------------------
 
-    def _control(self, control: dict[str, Any]) -> dict[str, Any]:
-        op = control.get("op")
-        if op == "status":
-            from cudahook.core.backends.base import parse_nvrm
+    def stats(self) -> dict[str, Any]:
+        """What the agent holds and has served: its status, its metrics."""
+        from cudahook.core.backends.base import parse_nvrm
+        from cudahook.platform.host import Host
 
-            version = parse_nvrm((self.version or b"").decode(errors="replace")) or ""
-            with self.lock:
-                return {"ok": True, "pid": os.getpid(), "version": version,
-                        "sessions": len(self.sessions),
+        version = parse_nvrm((self.version or b"").decode(errors="replace")) or ""
+        with self.lock:
+            workers = [w.proc.pid for w in self.idle] + [s.worker.proc.pid for s in self.sessions]
+        workers_rss = sum(rss_bytes(p) for p in workers)
+        me = os.getpid()
+        with self.lock:
+            return {"ok": True, "pid": me, "start": Host().start_time(me), "version": version,
+                    "calls": self.calls, "connections": self.connections,
+                    "rss_bytes": rss_bytes(me), "workers_rss_bytes": workers_rss,
+                    "sessions": len(self.sessions),
                     "in_flight": sum(s.in_flight for s in self.sessions),
                     "idle_workers": len(self.idle), "warming": self.warming,
                     "busy_worker_pids": sorted(s.worker.proc.pid for s in self.sessions),
                     "sessions_of": sorted([s.calls_of or "", s.container or "", *s.hook]
                                           for s in self.sessions),
                     "served": self.served, "restarting": self.restarting}
+
+    def _publish(self) -> None:
+        """The agent's numbers into the metrics file: about a second after
+        sessions ended, and every AGENT_REFRESH_S anyway (a hook's write in
+        between reads whether the agent lives)."""
+        from cudahook.platform import metrics
+
+        while True:
+            with self.publishing:  # never after the last write, _shutdown's
+                if self.stopping:
+                    return
+                metrics.update_agent(self.settings, self.stats())
+            time.sleep(1.0)
+            self.changed.wait(metrics.AGENT_REFRESH_S)
+            self.changed.clear()
+
+    def _control(self, control: dict[str, Any]) -> dict[str, Any]:
+        op = control.get("op")
+        if op == "status":
+            return self.stats()
         if op == "end-calls":
             name = control.get("calls_of")
             wait_s = control.get("wait_s")
             if not isinstance(name, str) or not isinstance(wait_s, (int, float)):
                 return {"ok": False, "error": "end-calls needs calls_of and wait_s"}
             return {"ok": True, "stuck": self.end_calls(name, float(wait_s))}
-        return {"ok": False, "error": f"unknown control {op!r}"}
+        return {"ok": False, "error": f"unknown control {op!r:.80}"}
 
     def end_calls(self, name: str, wait_s: float) -> list[int]:
         """Kill the worker of every session of run `name` (its calls with
@@ -397,7 +515,7 @@ class Agent:
         lock = lock_file(state / LOCKFILE, wait=False)
         if lock is None:
             print("cudahook-agent: another agent is running on this node")
-            return 3
+            return EXIT_ANOTHER_AGENT
         path = socket_path(self.settings)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -417,6 +535,7 @@ class Agent:
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
         self._log("agent", started=me, socket=path)
         self._warm()
+        threading.Thread(target=self._publish, daemon=True).start()
         idle_s = self.settings.agent_idle_s
         why = "stopped"
         while True:
@@ -467,6 +586,10 @@ class Agent:
             w.kill("the agent exits")
         with contextlib.suppress(OSError):
             os.unlink(pid_path(self.settings))
+        from cudahook.platform import metrics
+
+        with self.publishing:
+            metrics.update_agent(self.settings, {**self.stats(), "exited": True})
         os.close(lock)
 
 

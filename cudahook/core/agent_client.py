@@ -24,9 +24,15 @@ if TYPE_CHECKING:
 SOCKET = "agent.sock"
 PIDFILE = "agent.pid"
 LOCKFILE = "agent.lock"
+# The agent's exit status when another agent holds LOCKFILE: the unit must not
+# restart on it, or systemd retries forever beside an agent a hook started.
+EXIT_ANOTHER_AGENT = 3
 # The calls a worker serves, and the fields of a call passed on to it.
-OPS = ("get-state", "get-restore-tid", "lock", "checkpoint", "restore", "unlock")
-FIELDS = ("op", "pid", "timeout_ms", "pairs")
+OPS = ("get-state", "get-restore-tid", "lock", "checkpoint", "restore", "unlock",
+       "storage-checkpoint", "storage-restore")
+# A storage call's directory, chunk size, zstd level and dedupe switch go
+# through as the helper checks them (driver_helper.Driver.call).
+FIELDS = ("op", "pid", "timeout_ms", "pairs", "dir", "chunk", "zstd", "dedupe")
 # Past a call's deadline the agent answers "lost" first; the client's own
 # deadline comes this much later (it only fires for an agent that hangs).
 CLIENT_GRACE_S = 1.0

@@ -30,12 +30,22 @@ NAME = "cudahook-manifest.json"
 # (CUDA 13.4+ custom storage). Only such an image is written as 2, so an
 # older cudahook refuses the one image it could not restore, and this one
 # reads both.
+# Version 3 is version 2 whose chunks have blake3 digests or are stored
+# compressed (zstd): written only for such an image, so an older cudahook
+# refuses it by its version rather than as a chunk that fails its checksum.
 VERSION = 1
 STORAGE_VERSION = 2
-READS = (VERSION, STORAGE_VERSION)
+PACKED_VERSION = 3
+STORAGE_VERSIONS = (STORAGE_VERSION, PACKED_VERSION)
+READS = (VERSION, *STORAGE_VERSIONS)
+# The digests a chunk may carry (core/backends/driver_helper.py computes them).
+CHUNK_DIGESTS = ("sha256", "blake3")
 # Where in the image the chunks of each process go: <STORAGE_DIR>/<nspid>/.
 STORAGE_DIR = "cudahook-gpu"
 STORAGE_MANIFEST = "manifest.json"  # the driver helper's, per process
+# Pre-dump's preallocation in STORAGE_DIR, held until the copy-out writes
+# into its space (the driver helper's RESERVE: it imports nothing).
+STORAGE_RESERVE = ".reserve"
 # A manifest holds a few lines per CUDA process; anything near this is not ours.
 MAX_BYTES = 32 << 20
 
@@ -83,11 +93,25 @@ class FileSum(Record, frozen=True):
 
 
 class StorageRange(Record, frozen=True):
-    """One GPU's memory of a process: its size and each chunk's sha256 (every
-    chunk `chunk` bytes, the last one the rest)."""
+    """One GPU's memory of a process: its size and each chunk's digest (every
+    chunk `chunk` bytes, the last one the rest), of its raw bytes."""
 
     size: int
     chunks: tuple[str, ...]
+    # Each chunk's size as stored compressed (zstd), 0 where stored raw;
+    # empty: every chunk raw.
+    zstd: tuple[int, ...] = ()
+
+
+class StoredFile(Record, frozen=True):
+    """One GPU-memory file of an image: its name in the image, its raw size
+    and digest (`kind`), and its size as stored compressed (0: raw)."""
+
+    name: str
+    size: int
+    digest: str
+    zstd: int = 0
+    kind: str = "sha256"
 
 
 class StoredProcess(Record, frozen=True):
@@ -99,19 +123,22 @@ class StoredProcess(Record, frozen=True):
     manifest_size: int
     ranges: tuple[StorageRange, ...]
 
-    def files(self) -> list[tuple[str, int, str]]:
-        """(name in its directory, size, sha256) of each chunk file."""
+    def files(self, kind: str = "sha256") -> list[StoredFile]:
+        """Each chunk file, by its name in the process's directory."""
         out = []
         for i, r in enumerate(self.ranges):
             for k, digest in enumerate(r.chunks):
-                out.append((f"gpu{i}-{k:06d}.chunk", min(self.chunk, r.size - k * self.chunk),
-                            digest))
+                out.append(StoredFile(name=f"gpu{i}-{k:06d}.chunk",
+                                      size=min(self.chunk, r.size - k * self.chunk),
+                                      digest=digest, zstd=r.zstd[k] if r.zstd else 0, kind=kind))
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"nspid": self.nspid, "chunk": self.chunk,
                 "manifest": {"sha256": self.manifest_sha256, "size": self.manifest_size},
-                "ranges": [{"size": r.size, "chunks": list(r.chunks)} for r in self.ranges]}
+                "ranges": [{"size": r.size, "chunks": list(r.chunks),
+                            **({"zstd": list(r.zstd)} if r.zstd else {})}
+                           for r in self.ranges]}
 
 
 class GpuStorage(Record, frozen=True):
@@ -123,7 +150,18 @@ class GpuStorage(Record, frozen=True):
 
     @property
     def bytes(self) -> int:
+        """The GPU memory's raw size. What the image holds may be less (shared
+        and compressed chunks), but a restore, and a checkpoint's space
+        reservation, must count on the raw size: nothing guarantees the next
+        checkpoint dedupes or compresses as well."""
         return sum(r.size for p in self.processes for r in p.ranges)
+
+    @property
+    def version(self) -> int:
+        """The manifest version this storage needs (see PACKED_VERSION)."""
+        packed = self.digest != "sha256" or any(r.zstd for p in self.processes
+                                                for r in p.ranges)
+        return PACKED_VERSION if packed else STORAGE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         return {"dir": self.dir, "digest": self.digest,
@@ -180,7 +218,7 @@ class Manifest(Record, frozen=True):
         if self.files:
             out["files"] = {n: f.as_dict() for n, f in self.files.items()}
         if self.gpu_storage is not None:
-            out["version"] = STORAGE_VERSION
+            out["version"] = self.gpu_storage.version
             out["gpu_storage"] = self.gpu_storage.to_dict()
         return out
 
@@ -220,7 +258,7 @@ def write(image_dir: Path, data: Manifest | dict[str, Any],
         stored = data.get("gpu_storage")
         out = {"version": VERSION, **data}
         if isinstance(stored, GpuStorage):
-            out.update(version=STORAGE_VERSION, gpu_storage=stored.to_dict())
+            out.update(version=stored.version, gpu_storage=stored.to_dict())
         if sums:
             out["files"] = {n: f.as_dict() for n, f in sums.items()}
     path = image_dir / NAME
@@ -246,22 +284,23 @@ HASH_WORKERS = 8
 QUICK_SAMPLE = 4
 
 
-def storage_files(m: Manifest, quick: bool = False) -> list[tuple[str, int, str]]:
-    """(name in the image, size, sha256) of each GPU-memory file of the
-    image; `quick`: each process's manifest and a sample of its chunks."""
+def storage_files(m: Manifest, quick: bool = False) -> list[StoredFile]:
+    """Each GPU-memory file of the image, by its name in the image; `quick`:
+    each process's manifest and a sample of its chunks."""
     import random
 
-    out: list[tuple[str, int, str]] = []
+    out: list[StoredFile] = []
     if m.gpu_storage is None:
         return out
     for p in m.gpu_storage.processes:
         base = f"{m.gpu_storage.dir}/{p.nspid}/"
-        out.append((base + STORAGE_MANIFEST, p.manifest_size, p.manifest_sha256))
-        chunks = p.files()
+        out.append(StoredFile(name=base + STORAGE_MANIFEST, size=p.manifest_size,
+                              digest=p.manifest_sha256))
+        chunks = p.files(m.gpu_storage.digest)
         if quick and len(chunks) > QUICK_SAMPLE + 2:
             middle = random.sample(range(1, len(chunks) - 1), QUICK_SAMPLE)
             chunks = [chunks[i] for i in sorted({0, len(chunks) - 1, *middle})]
-        out.extend((base + name, size, digest) for name, size, digest in chunks)
+        out.extend(f.replace(name=base + f.name) for f in chunks)
     return out
 
 
@@ -304,18 +343,21 @@ def verify_files(image_dir: Path, m: Manifest, quick: bool = False) -> list[tupl
     out = _storage_dirs(image_dir, m)
     if out:  # a chunk read through a swapped directory would prove nothing
         return out
-    wanted = [(name, want.size, want.sha256) for name, want in sorted(m.files.items())]
+    wanted = [StoredFile(name=name, size=want.size, digest=want.sha256)
+              for name, want in sorted(m.files.items())]
     stored = storage_files(m, quick)
     # One budget for all of them: a manifest may name up to 64 files, and
     # gigabytes of GPU memory.
-    budget = HASH_TIMEOUT_S + sum(size for _, size, _ in stored) / STORAGE_HASH_BYTES_PER_S
+    budget = HASH_TIMEOUT_S + sum(f.size for f in stored) / STORAGE_HASH_BYTES_PER_S
     deadline = time.monotonic() + budget
 
-    def problem(item: tuple[str, int, str]) -> str | None:
-        name, size, sha256 = item
+    def problem(f: StoredFile) -> str | None:
+        name, size, sha256 = f.name, f.size, f.digest
         left = deadline - time.monotonic()
         if left <= 0:
             return f"not verified within {budget:g}s"
+        if f.zstd or f.kind != "sha256":
+            return _verify_chunk(image_dir, f, left)
         try:
             got, got_size = safeio.sha256_file(image_dir / name, MAX_FILE_BYTES, left)
         except FileNotFoundError:
@@ -329,12 +371,47 @@ def verify_files(image_dir: Path, m: Manifest, quick: bool = False) -> list[tupl
     # of chunks would otherwise keep one core busy while the others wait.
     items = wanted + stored
     found = fan_out(problem, items, min(HASH_WORKERS, os.cpu_count() or 1))
-    for (name, _, _), why in zip(items, found, strict=True):
+    for f, why in zip(items, found, strict=True):
         if isinstance(why, Raised):
             raise why.exc
         if why is not None:
-            out.append((name, why))
+            out.append((f.name, why))
     return out
+
+
+def _verify_chunk(image_dir: Path, f: StoredFile, timeout_s: float) -> str | None:
+    """A chunk whose digest is not sha256 or which is stored compressed,
+    verified as the driver helper verifies it at restore (one reader: the
+    same caps, links never followed, decompression bounded by its raw size):
+    the problem, or None."""
+    import os
+
+    from cudahook.core.backends import driver_helper as helper
+    from cudahook.platform import safeio
+
+    where, name = os.path.split(f.name)
+
+    def read() -> None:
+        fd = os.open(image_dir / where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                     | os.O_CLOEXEC)
+        try:
+            helper.read_chunk(fd, name, f.size, f.zstd, f.kind, f.digest, None)
+        finally:
+            os.close(fd)
+
+    try:
+        safeio.with_deadline(read, timeout_s, str(image_dir / f.name))
+    except helper.Missing:
+        return "missing"
+    except helper.Mismatch:
+        return "checksum"
+    except (helper.Refused, safeio.FileRefused) as exc:
+        return f"unreadable ({str(exc).removeprefix(name + ': ')})"
+    except ImportError as exc:
+        return f"unreadable (its digest or compression needs {exc.name or exc})"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    return None
 
 
 def read(image_dir: Path) -> Manifest | None:
@@ -377,8 +454,8 @@ def parse(data: bytes) -> Manifest:
         raise ManifestError(f"{NAME} in the checkpoint is unreadable (not a JSON object)")
     version = obj.get("version")
     if type(version) is not int or version not in READS \
-            or (version == STORAGE_VERSION) != ("gpu_storage" in obj):
-        why = " (version 2 is an image with gpu_storage, and only it)" \
+            or (version in STORAGE_VERSIONS) != ("gpu_storage" in obj):
+        why = " (versions 2 and 3 are an image with gpu_storage, and only it)" \
             if type(version) is int and version in READS else ""
         raise ManifestError(
             f"{NAME} has version {version!r}{why}; this cudahook reads versions "
@@ -394,6 +471,9 @@ def _check_storage(m: Manifest) -> None:
     process of the image, and as many chunks as each size takes."""
     if m.gpu_storage is None:
         return
+    if m.version < m.gpu_storage.version:
+        raise ManifestError(f"{NAME}: gpu_storage: blake3 digests or compressed chunks need "
+                            f"version {PACKED_VERSION}, not {m.version}")
     nspids = [p.nspid for p in m.gpu_storage.processes]
     if sorted(nspids) != sorted(m.nspids):
         raise ManifestError(f"{NAME}: gpu_storage: its processes {sorted(nspids)} are not "
@@ -404,6 +484,11 @@ def _check_storage(m: Manifest) -> None:
                 raise ManifestError(f"{NAME}: gpu_storage: process {p.nspid}: "
                                     f"{len(r.chunks)} chunks for {r.size} bytes of "
                                     f"{p.chunk}-byte chunks")
+            # A chunk is stored compressed only when that made it smaller.
+            if r.zstd and (len(r.zstd) != len(r.chunks) or any(
+                    z >= min(p.chunk, r.size - k * p.chunk) for k, z in enumerate(r.zstd))):
+                raise ManifestError(f"{NAME}: gpu_storage: process {p.nspid}: its compressed "
+                                    f"sizes are not one per chunk, each smaller than the chunk")
 
 
 def from_dict(obj: dict[str, Any], digest: str | None = None) -> Manifest:
@@ -438,7 +523,8 @@ def _storage(obj: dict[str, Any] | None) -> GpuStorage | None:
         StoredProcess(nspid=int(p["nspid"]), chunk=int(p["chunk"]),
                       manifest_sha256=p["manifest"]["sha256"],
                       manifest_size=int(p["manifest"]["size"]),
-                      ranges=tuple(StorageRange(size=int(r["size"]), chunks=tuple(r["chunks"]))
+                      ranges=tuple(StorageRange(size=int(r["size"]), chunks=tuple(r["chunks"]),
+                                                zstd=tuple(int(z) for z in r.get("zstd") or ()))
                                    for r in p["ranges"]))
         for p in obj["processes"]))
 

@@ -4,14 +4,17 @@
     _checkpoint      which container; opted out?
       _where         host memory or storage for the GPU memory (`gpu_memory`)
       _check         discovery and every check: refuse before anything is touched
-      _reserve       storage: the image's space for GPU memory, preallocated;
+      _reserve       storage: the image's space for GPU memory, preallocated
+                     and held until the copy-out writes into it;
                      undo: remove what was written there
       _arm           the guardian, for a script killed from here on
       _prepare       the VMM interposer's prepare; undo: replay its state
       _lock_all      lock all, checkpoint all (storage: into the image);
                      undo: restore all
+      _unreserve     storage: what is left of the reservation goes
       _no_nvml_left  NVML handles CRIU cannot dump
       _record        the manifest; undo: remove it
+      _keep          storage: the chunks hard-linked for the guardian
       _hand_over     CRIU dumps the processes, now without GPU state
 
 Every step that changes something pushes its undo on one stack (undo.py);
@@ -151,10 +154,12 @@ def _checkpoint(cp: Checkpoint) -> int:
     result = _lock_all(cp)
     if isinstance(result, int):
         return result
+    _unreserve(cp)
     failed = _no_nvml_left(cp)
     if failed is not None:
         return failed
     _record(cp, gpus, models, result)
+    _keep(cp)
     _hand_over(cp, gpus, models, result, vmm_prepare_s)
     return Exit.OK
 
@@ -166,7 +171,7 @@ def _check(cp: Checkpoint) -> int | None:
     same processes, a process stopped (cuda-checkpoint would hang on it),
     not running (one already locked or checkpointed was not put there by
     this checkpoint: dumped, it would be restored without its GPU state),
-    failed; too little host memory; persistence off. A task traced while it
+    failed; too little host memory (the host path only); persistence off. A task traced while it
     runs and the image size are left to CRIU, which fails cleanly on them
     (the guardian then resumes the workload). Hazard: a probe that times
     out is not "not CUDA" - it refuses too, or a process would be dumped
@@ -175,15 +180,14 @@ def _check(cp: Checkpoint) -> int | None:
     from . import checks  # the reason table: only pre-dump and post-restore need it
 
     ctx, cid = cp.ctx, cp.cid
+    # The path decides which room is checked: host memory on the host path,
+    # the image directory's space on the storage path (_reserve proves it).
     cp.verdict = verdict = checks.checkpoint_checks(
-        ctx, init_pid=cp.init_pid, full=False, image_dir=cp.image_dir, container=cid)
+        ctx, init_pid=cp.init_pid, full=False, image_dir=cp.image_dir, container=cid,
+        path=lambda: _path(cp))
     for w in verdict.warnings:
         ctx.log("pre-dump", container=cid, warning=w)
     found = verdict.found
-    if any(p.code == "HOST_MEMORY" for p in verdict.problems) and found and found.processes \
-            and ctx.settings.gpu_memory != "host" and _path(cp)[0] == "storage":
-        # On the storage path the GPU memory never enters host memory.
-        verdict.problems = [p for p in verdict.problems if p.code != "HOST_MEMORY"]
     if verdict.ok and found is not None:
         cp.procs = found.processes
         return None
@@ -211,13 +215,9 @@ def _path(cp: Checkpoint) -> tuple[str | None, str]:
     """Where the GPU memory goes under `gpu_memory` (core/backends
     gpu_memory_path), asked of the driver once: `host` asks nothing."""
     if cp.path is None:
-        setting = cp.ctx.settings.gpu_memory
-        if setting == "host":
-            cp.path = ("host", "gpu_memory: host")
-        else:
-            from cudahook.core.backends import gpu_memory_path, probe
+        from .checks import memory_path
 
-            cp.path = gpu_memory_path(setting, probe(cp.ctx.backend))
+        cp.path = memory_path(cp.ctx)
     return cp.path
 
 
@@ -240,19 +240,17 @@ def _where(cp: Checkpoint) -> int | None:
     return None
 
 
-RESERVE = ".reserve"  # the preallocation, in the storage directory while it lasts
-# Room for the chunk manifests and file-system overhead, besides the memory.
-RESERVE_SLACK = 4 << 20
-
-
 def _reserve(cp: Checkpoint) -> int | None:
     """Storage only. Hazard: a disk that fills while chunks are copied fails
     the checkpoint with the processes locked and their memory half written
     (the helper then puts it back: slow, and a second way to fail). The
     GPU memory's size is preallocated in the image first, so a full disk
-    refuses before anything is locked; the reservation is released just
-    before the lock. Undo: remove every file the checkpoint writes there.
-    The exit code of a refusal, or None."""
+    refuses before anything is locked. The reservation is held through the
+    lock: the driver helper shrinks it just before writing each chunk, so
+    the space stays ours until the copy-out writes into it, whoever else
+    fills the disk meanwhile; what is left of it goes after the checkpoint
+    (_unreserve). Undo: remove every file the checkpoint writes there,
+    the reservation too. The exit code of a refusal, or None."""
     if not cp.to_storage:
         return None
     assert cp.image_dir is not None
@@ -265,17 +263,18 @@ def _reserve(cp: Checkpoint) -> int | None:
                                  f"{exc}; nothing was locked") from exc
     cp.undo.push("cannot remove the GPU memory written to the image",
                  lambda: _clear_storage(root))
-    need = int(cp.verdict.facts.get("gpu_memory_bytes") or 0) + RESERVE_SLACK
+    from .checks import STORAGE_SLACK
+
+    need = int(cp.verdict.facts.get("gpu_memory_bytes") or 0) + STORAGE_SLACK
     import os
 
     try:
-        fd = os.open(root / RESERVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o600)
+        fd = os.open(root / manifest.STORAGE_RESERVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.posix_fallocate(fd, 0, need)
         finally:
             os.close(fd)
-            (root / RESERVE).unlink()
     except OSError as exc:
         undone = cp.undo.unwind()
         return _refuse(cp, "IMAGE_SPACE", "; ".join(
@@ -284,12 +283,28 @@ def _reserve(cp: Checkpoint) -> int | None:
     return None
 
 
+def _unreserve(cp: Checkpoint) -> None:
+    """What is left of the reservation once every process is copied out: the
+    image carries only the chunks and their manifests. Nothing to undo."""
+    if not cp.to_storage:
+        return
+    assert cp.image_dir is not None
+    try:
+        (cp.image_dir / manifest.STORAGE_DIR / manifest.STORAGE_RESERVE).unlink(missing_ok=True)
+    except OSError as exc:  # space left held, not a failed checkpoint
+        cp.ctx.log("pre-dump", container=cp.cid, warning=f"cannot remove the space "
+                   f"reservation in {manifest.STORAGE_DIR}: {exc}")
+
+
 def _clear_storage(root: Path) -> None:
     """Remove a storage directory of this image: the chunk files and
-    manifests in its per-process directories, then the directories. Anything
-    else there is not ours: it stays, and so does the directory (an error)."""
+    manifests in its per-process directories, the index of links by digest,
+    then the directories. Anything else there is not ours: it stays, and so
+    does the directory (an error)."""
     import os
     import stat
+
+    from cudahook.core.backends.driver_helper import INDEX
 
     try:
         st = root.lstat()
@@ -299,8 +314,11 @@ def _clear_storage(root: Path) -> None:
         raise OSError(f"{root}: not a directory")
     for sub in os.listdir(root):
         path = root / sub
-        if sub == RESERVE:
+        if sub == manifest.STORAGE_RESERVE:
             path.unlink()
+            continue
+        if sub == INDEX:
+            _drop_index(path)
             continue
         if not sub.isdigit() or not stat.S_ISDIR(path.lstat().st_mode):
             raise OSError(f"{path}: not a file of a GPU-memory checkpoint")
@@ -309,6 +327,25 @@ def _clear_storage(root: Path) -> None:
                 (path / name).unlink()
         path.rmdir()
     root.rmdir()
+
+
+def _drop_index(index: Path) -> None:
+    """The checkpoint's index of chunks by digest: only links to files each
+    process's directory also holds, used while the chunks are written. It
+    goes once they are, so the image holds the process directories alone,
+    as without dedupe (their shared chunks stay hard links)."""
+    import os
+    import stat
+
+    try:
+        st = index.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{index}: not a directory")
+    for name in os.listdir(index):
+        (index / name).unlink()
+    index.rmdir()
 
 
 def _arm(cp: Checkpoint) -> None:
@@ -375,11 +412,14 @@ def _lock_all(cp: Checkpoint) -> Any:
     failed it tries again). The engine's result, or the exit code.
     Undo from here on: restore every process."""
     ctx, cid = cp.ctx, cp.cid
-    cp.run.step(steps.LOCKING)
     if cp.storage:
         # Where the GPU memory is, by its real path: a guardian bringing the
-        # processes back after a failed dump restores from there.
-        cp.run["gpu_storage"] = {str(pid): _real(d) for pid, d in cp.storage.items()}
+        # processes back after a failed dump restores from there. Written
+        # before the first lock: this script may be killed at any point
+        # after it, and a guardian without it restores from host memory,
+        # which a storage checkpoint left empty (the driver refuses).
+        cp.run.note("gpu_storage", {str(pid): _real(d) for pid, d in cp.storage.items()})
+    cp.run.step(steps.LOCKING)
     try:
         result = ctx.engine.checkpoint(cp.procs, fresh_states=True, storage=cp.storage or None)
     except PhaseError as exc:
@@ -477,6 +517,58 @@ def _record(cp: Checkpoint, gpus: list[str], models: dict[str, Any], result: Any
                          safe=False) from exc
 
 
+def _keep(cp: Checkpoint) -> None:
+    """Storage only. Hazard: containerd's task service (and docker, through
+    it) has CRIU dump into a temporary directory, copies that into its
+    content store and removes it before it resumes the paused task: after
+    a --leave-running dump, or a failed one, the guardian would find no
+    chunks to bring the GPU memory back from, and the workload would stay
+    off its GPU. Hard links made now outlive that removal and copy nothing:
+    beside the image directory (its file system), else beside the run's
+    record. The guardian restores from them and removes them. Where neither
+    can be made the checkpoint goes on and says so: only a runtime that
+    removes the image early needs them, and the image itself is whole."""
+    if not cp.storage:
+        return
+    import os
+    import shutil
+    import tempfile
+
+    assert cp.image_dir is not None
+    image = Path(_real(str(cp.image_dir)))
+    errors = []
+    # Beside the run's record it is named after the run, so that the
+    # state directory's pruning of gone runs' files takes it too.
+    for parent, name in ((image.parent, f".{image.name}"), (cp.run.path.parent,
+                                                             cp.run.path.stem)):
+        try:
+            keep = Path(tempfile.mkdtemp(prefix=name + guardian.KEPT_INFIX, dir=parent))
+        except OSError as exc:
+            errors.append(f"{parent}: {exc.strerror or exc}")
+            continue
+        try:
+            # Named before it fills: the guardian removes whatever was made.
+            cp.run.note(guardian.KEPT, str(keep))
+            dirs = {}
+            for pid, d in cp.storage.items():
+                src = Path(_real(d))
+                (keep / src.name).mkdir(mode=0o700)
+                for name in os.listdir(src):
+                    os.link(src / name, keep / src.name / name, follow_symlinks=False)
+                dirs[str(pid)] = str(keep / src.name)
+        except OSError as exc:
+            shutil.rmtree(keep, ignore_errors=True)
+            cp.run.note(guardian.KEPT, None)
+            errors.append(f"{parent}: {exc.strerror or exc}")
+            continue
+        cp.run.note("gpu_storage", dirs)
+        return
+    cp.ctx.log("pre-dump", container=cp.cid, warning="the GPU memory's chunks could not be "
+               "kept for the guardian (" + "; ".join(errors) + "): a runtime that removes the "
+               "image directory before the tasks run again leaves them off their GPU after a "
+               "--leave-running or failed dump")
+
+
 def _stored(cp: Checkpoint) -> manifest.GpuStorage:
     """What the storage checkpoint wrote, for the manifest: each process's
     chunk manifest by its sha256 and size, and every chunk's digest, which
@@ -485,20 +577,27 @@ def _stored(cp: Checkpoint) -> manifest.GpuStorage:
     import hashlib
     import json
 
+    from cudahook.core.backends.driver_helper import INDEX
     from cudahook.platform import safeio
 
     assert cp.image_dir is not None
-    procs = []
+    _drop_index(cp.image_dir / manifest.STORAGE_DIR / INDEX)
+    procs, digests = [], set()
     for p in cp.procs:
         raw = safeio.read_bytes(Path(cp.storage[p.pid]) / manifest.STORAGE_MANIFEST,
                                 16 << 20)
         m = json.loads(raw)
+        digests.add(m["digest"])
         procs.append(manifest.StoredProcess(
             nspid=p.nspid, chunk=int(m["chunk"]), manifest_sha256=hashlib.sha256(raw).hexdigest(),
             manifest_size=len(raw), ranges=tuple(
-                manifest.StorageRange(size=int(r["size"]), chunks=tuple(r["chunks"]))
+                manifest.StorageRange(size=int(r["size"]), chunks=tuple(r["chunks"]),
+                                      zstd=tuple(r.get("zstd") or ()))
                 for r in m["ranges"])))
-    return manifest.GpuStorage(dir=manifest.STORAGE_DIR, processes=tuple(procs))
+    if len(digests) > 1:  # one helper writes them all: never seen, but never recorded wrong
+        raise ValueError(f"the processes' chunks have different digests: {sorted(digests)}")
+    return manifest.GpuStorage(dir=manifest.STORAGE_DIR, processes=tuple(procs),
+                               digest=digests.pop() if digests else "sha256")
 
 
 def _unlink(path: Path) -> None:

@@ -31,10 +31,16 @@ from .context import Context
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
     from cudahook.core.discovery import CudaProcess, Discovery
     from cudahook.core.manifest import Manifest
+
+# Room in the image directory beyond the GPU memory itself, on the storage
+# path: the chunk manifests and file-system overhead. Pre-dump preallocates
+# the GPU memory plus this before anything is locked.
+STORAGE_SLACK = 4 << 20
 
 # A remembered "never on this node" restore verdict is trusted this long; MIG
 # can be reconfigured without a reboot, and /run is emptied by one anyway.
@@ -133,7 +139,8 @@ class Verdict(Record):
 
 def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[int] | None = None,
                       image_dir: Path | None = None, full: bool = True,
-                      container: str | None = None) -> Verdict:
+                      container: str | None = None,
+                      path: Callable[[], tuple[str | None, str]] | None = None) -> Verdict:
     """Whether a checkpoint of the container (`init_pid`) or of `pids` can
     succeed now. The processes found are in `verdict.found`.
 
@@ -148,6 +155,10 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
     except the GPU memory query (one nvidia-smi call, beside discovery),
     which guards against the worst outcome: the OOM killer in the middle of
     a checkpoint.
+
+    `path` says where the GPU memory would go (memory_path's answer; pre-dump
+    hands its own, asked of the driver once). Host memory is checked on the
+    host path only; on the storage path the image directory's free space is.
     """
     v = Verdict("checkpoint", {"container": container, "init_pid": init_pid, "pids": pids})
     # The two nvidia-smi calls run beside discovery, not after it: each costs
@@ -159,7 +170,7 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
                        start=full)
     try:
         return _checkpoint_checks(ctx, v, init_pid, pids, image_dir, full, container,
-                                  (gpus, apps))
+                                  (gpus, apps), path or (lambda: memory_path(ctx)))
     finally:
         gpus.join()
         apps.join()
@@ -167,7 +178,8 @@ def checkpoint_checks(ctx: Context, *, init_pid: int | None = None, pids: list[i
 
 def _checkpoint_checks(ctx: Context, v: Verdict, init_pid: int | None, pids: list[int] | None,
                        image_dir: Path | None, full: bool, container: str | None,
-                       queries: tuple[_Background, _Background]) -> Verdict:
+                       queries: tuple[_Background, _Background],
+                       path: Callable[[], tuple[str | None, str]]) -> Verdict:
     apps = queries[1]
     feats = None
     if full:
@@ -212,11 +224,43 @@ def _checkpoint_checks(ctx: Context, v: Verdict, init_pid: int | None, pids: lis
         _vmm(ctx, v, procs)
     _persistence(ctx, v, container)
     gpu = _gpu_memory(v, procs, apps)
-    _host_memory(ctx, v, procs, gpu)
+    where = _where(v, path)
+    if where == "storage":
+        _storage_space(v, image_dir, gpu)
+    elif where == "host":
+        _host_memory(ctx, v, procs, gpu)
     if image_dir is not None and full:
         _image_space(ctx, v, list(pids) if pids else (members or ([init_pid], ""))[0],
-                     image_dir, gpu)
+                     image_dir, gpu, storage=where == "storage")
     return v
+
+
+def memory_path(ctx: Context) -> tuple[str | None, str]:
+    """Where a checkpoint puts the GPU memory under `gpu_memory`: "host",
+    "storage", or None when storage is asked for and the driver cannot give
+    it; and why. `gpu_memory: host` asks the driver nothing."""
+    setting = ctx.settings.gpu_memory
+    if setting == "host":
+        return "host", "gpu_memory: host in the configuration"
+    from cudahook.core.backends import gpu_memory_path, probe
+
+    return gpu_memory_path(setting, probe(ctx.backend))
+
+
+def _where(v: Verdict, path: Callable[[], tuple[str | None, str]]) -> str | None:
+    """Which path the GPU memory takes (a fact of the verdict, with why);
+    storage asked for and unavailable is refused: pre-dump would refuse it."""
+    v.checked.append("gpu memory path")
+    try:
+        where, why = path()
+    except Exception as exc:  # the driver could not be asked: say so, check as host
+        v.warnings.append(f"GPU memory path unknown ({exc}): host memory checked as for the "
+                          "host path")
+        return "host"
+    v.facts.update(gpu_memory_path=where, gpu_memory_path_why=why)
+    if where is None:
+        v.add("GPU_STORAGE_UNAVAILABLE", why)
+    return where
 
 
 def _driver(ctx: Context, v: Verdict) -> Any:
@@ -514,8 +558,10 @@ def _gpu_memory(v: Verdict, procs: list[CudaProcess], apps: _Background) -> dict
 
 def _host_memory(ctx: Context, v: Verdict, procs: list[CudaProcess],
                  gpu: dict[int, int] | None) -> None:
-    """A checkpoint copies each process's GPU memory into its own host
-    memory: the host, and each process's memory cgroup, must have room."""
+    """The host path: a checkpoint copies each process's GPU memory into its
+    own host memory; the host, and each process's memory cgroup, must have
+    room. (On the storage path it never enters host memory: the staging
+    buffers are the helper's, a few chunks per GPU.)"""
     if not gpu:
         return
     v.checked.append("host memory")
@@ -537,8 +583,40 @@ def _host_memory(ctx: Context, v: Verdict, procs: list[CudaProcess],
                   f"the memory limit of cgroup {where}")
 
 
+def _storage_space(v: Verdict, image_dir: Path | None, gpu: dict[int, int] | None) -> None:
+    """The storage path: the GPU memory is written, whole, into the image
+    directory (`cudahook-gpu/`), so its file system must have room for all of
+    it. Dedupe and compression may save space but are never counted on: a
+    disk that fills mid-copy fails with the processes locked. Pre-dump's
+    preallocation refuses the same way (IMAGE_SPACE) before locking."""
+    if not gpu:
+        return
+    v.checked.append("image space for GPU memory")
+    need = sum(gpu.values()) + STORAGE_SLACK
+    if image_dir is None:
+        v.warnings.append(f"storage path: {_mib(need)} of GPU memory will be written into the "
+                          "image directory; its free space is not checked (give --image-dir)")
+        return
+    try:
+        st = os.statvfs(image_dir)
+    except OSError as exc:
+        v.add("IMAGE_SPACE", f"{image_dir}: {exc.strerror}")
+        return
+    free = st.f_bavail * st.f_frsize
+    v.facts.update(image_gpu_bytes=need, image_free_bytes=free)
+    if need > free:
+        v.add("IMAGE_SPACE", f"storage path: GPU memory {_mib(need)} (with {_mib(STORAGE_SLACK)} "
+              f"for its manifests; dedupe and compression not counted on) > {_mib(free)} free "
+              f"on the file system of {image_dir}")
+
+
 def _image_space(ctx: Context, v: Verdict, pids: list[int], image_dir: Path,
-                 gpu: dict[int, int] | None) -> None:
+                 gpu: dict[int, int] | None, *, storage: bool = False) -> None:
+    """The whole image: CRIU's (the processes' memory), plus the GPU memory,
+    inside it on the host path and beside it in `cudahook-gpu/` on the
+    storage path."""
+    if storage and any(p.code == "IMAGE_SPACE" for p in v.problems):
+        return  # the GPU memory alone does not fit: said once
     v.checked.append("image space")
     # What CRIU writes of a process's memory: its anonymous and shared
     # pages, resident or swapped (file-backed pages are not dumped).
@@ -548,7 +626,7 @@ def _image_space(ctx: Context, v: Verdict, pids: list[int], image_dir: Path,
             status = ctx.host.status(pid)
             rss += sum(int(status.get(k, "0 kB").split()[0]) << 10
                        for k in ("RssAnon", "RssShmem", "VmSwap"))
-    need = rss + sum((gpu or {}).values())
+    need = rss + sum((gpu or {}).values()) + (STORAGE_SLACK if storage and gpu else 0)
     try:
         st = os.statvfs(image_dir)
     except OSError as exc:
@@ -557,8 +635,9 @@ def _image_space(ctx: Context, v: Verdict, pids: list[int], image_dir: Path,
     free = st.f_bavail * st.f_frsize
     v.facts.update(image_expected_bytes=need, image_free_bytes=free)
     if need > free:
+        gpu_part = "GPU memory in cudahook-gpu/" if storage else "GPU memory"
         v.add("IMAGE_SPACE", f"expected image {_mib(need)} (anonymous process memory "
-              f"{_mib(rss)} + GPU memory) > {_mib(free)} free in {image_dir}")
+              f"{_mib(rss)} + {gpu_part}) > {_mib(free)} free in {image_dir}")
 
 
 def mem_available(proc: Path) -> int | None:
@@ -661,7 +740,7 @@ def _integrity(ctx: Context, v: Verdict, image_dir: Path, m: Manifest,
         storage = _custom_storage_answer(ctx, asking)
     for name, problem in found:
         if problem == "checksum":
-            v.add("IMAGE_CHECKSUM", f"{name}: sha256 or size differs from the manifest's")
+            v.add("IMAGE_CHECKSUM", f"{name}: its digest or size differs from the manifest's")
         else:
             v.add("IMAGE_FILE_MISSING", f"{name}: {problem}")
     return storage

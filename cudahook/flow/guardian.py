@@ -26,7 +26,9 @@ from checkpointed: the checkpoint dropped their VMM mappings. Failing that,
 it says so: the result is recorded unsafe, never "resumed".
 
 While it lives, its marker in the state directory names it, so that a new
-checkpoint of the same container waits for it (see `pending`).
+checkpoint of the same container waits for it (see `pending`). Before its
+first driver call it arms a successor, which takes over if it is killed
+before it finished (`_relay`).
 
 The restore side has its watcher (`watch_restore`), armed at post-restore
 before the tasks run: once CRIU and the post-resume action script are gone,
@@ -57,6 +59,11 @@ MAX_WAIT_S = 6 * 3600
 POLL_S = 0.1
 # Where the VMM prepare state is kept for the guardian, next to the run's record.
 VMM_SUFFIX = ".vmm-undo"
+# The run's record names (under KEPT) the directory of hard links to the GPU
+# memory's chunks pre-dump made for us (flow/checkpoint.py _keep); its name
+# holds KEPT_INFIX.
+KEPT = "gpu_storage_kept"
+KEPT_INFIX = ".cudahook-gpu-kept."
 
 
 def spawn(ctx: Any, criu_pid: int, cid: str | None, procs: list[tuple[int, int | None]],
@@ -119,11 +126,16 @@ def _end_calls(ctx: Any, args: dict[str, Any], cid: str | None) -> list[int]:
     name = calls_name(args.get("run"))
     if not name:
         return []
-    own_calls(f"{name}.guardian")
-    stuck = end_calls(name, ctx.settings.call_timeout_s)
     from cudahook.core.agent_client import end_calls as end_agent_calls  # calls the node agent serves
 
-    stuck += end_agent_calls(ctx.settings, name, ctx.settings.call_timeout_s)
+    # A successor ends its killed predecessor's calls too (they carry the
+    # same name as its own will: ended before it makes any).
+    names = [name, f"{name}.guardian"] if args.get("after") else [name]
+    stuck = []
+    for each in names:
+        stuck += end_calls(each, ctx.settings.call_timeout_s)
+        stuck += end_agent_calls(ctx.settings, each, ctx.settings.call_timeout_s)
+    own_calls(f"{name}.guardian")
     if stuck:
         ctx.log("guardian", container=cid, stuck_calls=stuck,
                 error=f"driver calls of the action script still alive after SIGKILL and "
@@ -283,16 +295,22 @@ def _frozen(ctx: Any, pid: int) -> bool:
         return False
 
 
-def _how(args: dict[str, Any]) -> tuple[str, str | None, Any]:
-    """What the run's progress record says of the pre-dump that armed us:
-    its outcome, or that it did not finish; the last step it took; and
-    when it handed the processes over to CRIU, if it did."""
+def _record_of(args: dict[str, Any]) -> dict[str, Any]:
+    """The run's progress record ({} when there is none)."""
     from pathlib import Path
 
     from cudahook.platform.store import read_json
 
     data = read_json(Path(args["run"])) if args.get("run") else None
-    if not isinstance(data, dict):
+    return data if isinstance(data, dict) else {}
+
+
+def _how(args: dict[str, Any]) -> tuple[str, str | None, Any]:
+    """What the run's progress record says of the pre-dump that armed us:
+    its outcome, or that it did not finish; the last step it took; and
+    when it handed the processes over to CRIU, if it did."""
+    data = _record_of(args)
+    if not data:
         return "pre-dump left no record", None, None
     done = data.get("done")
     rc = done.get("pre-dump") if isinstance(done, dict) else None
@@ -312,8 +330,64 @@ def main(arg: str) -> int:
     try:
         return _guard(args, cid)
     finally:
+        _drop_kept(args)  # first: a successor finds the work done, not the links
+        _finished(args)
         if key:
             _unmark(args, key)
+
+
+def _drop_kept(args: dict[str, Any]) -> None:
+    """Remove the chunks' hard links pre-dump kept for us: the image holds
+    the same files, and the run is over."""
+    import shutil
+    from pathlib import Path
+
+    from cudahook.platform.store import read_json
+
+    data = read_json(Path(args["run"])) if args.get("run") else None
+    kept = data.get(KEPT) if isinstance(data, dict) else None
+    if isinstance(kept, str) and KEPT_INFIX in Path(kept).name:
+        shutil.rmtree(kept, ignore_errors=True)
+
+
+# In the run's record: the guardian of this run finished (whatever it found).
+FINISHED = "guardian_finished"
+
+
+def _finished(args: dict[str, Any]) -> None:
+    """Record that this guardian finished, for a successor waiting on it."""
+    from pathlib import Path
+
+    from cudahook.platform.store import read_json, write_json_atomic
+
+    with contextlib.suppress(Exception):  # no record: a successor does the work again
+        path = Path(args["run"])
+        data = read_json(path)
+        if isinstance(data, dict):
+            write_json_atomic(path, {**data, FINISHED: os.getpid()})
+
+
+def _relay(ctx: Any, args: dict[str, Any]) -> None:
+    """Hazard: the guardian can itself be SIGKILLed (the OOM killer) while it
+    brings processes back: its calls die with it, and a restore from
+    storage left half-way is ended by the driver with its caller - the
+    process checkpointed again, nobody left to bring it back. So before its
+    first driver call it arms a successor, detached like itself, which
+    waits for it to exit and, unless it recorded that it finished, does its
+    work again from the start (ends its calls, reads every state afresh,
+    restores what is locked or checkpointed: each step applies once), after
+    arming its own. The container's marker names the successor from now on,
+    so a new checkpoint waits for it too."""
+    me = os.getpid()
+    child = _detached("main", {**args, "after": [me, ctx.host.start_time(me)]})
+    key = args.get("key", args.get("container"))
+    if key:
+        from cudahook.platform.store import write_json_atomic
+
+        with contextlib.suppress(Exception):  # the successor works without it
+            write_json_atomic(_marker(ctx.settings.state_dir, key),
+                              {"pid": child.pid, "start": ctx.host.start_time(child.pid),
+                               "criu_pid": args["criu_pid"]})
 
 
 def _unmark(args: dict[str, Any], key: str) -> None:
@@ -337,12 +411,16 @@ def _guard(args: dict[str, Any], cid: str | None) -> int:
     ctx = Context(Settings(**args["settings"]))
     if not _dump_over(ctx, args, cid):
         return 1
+    if args.get("after") and _record_of(args).get(FINISHED):
+        return 0  # the guardian before this one finished its work
+    how, step, handed_over = _how(args)
+    if step not in SETTLED and _alive_procs(ctx, args):
+        _relay(ctx, args)  # something may be left to bring back
     # Its calls die with it (parent-death signal); whatever they started,
     # or a call the signal missed, is ended here before any state is read.
     stuck = _end_calls(ctx, args, cid)
-    how, step, handed_over = _how(args)
     # CRIU's own dump time, as seen from here: pre-dump's end to CRIU's exit.
-    if isinstance(handed_over, (int, float)):
+    if isinstance(handed_over, (int, float)) and not args.get("after"):  # counted once
         results.count(ctx, cid or "",
                       {"criu-dump": {"criu_dump_s": max(0.0, time.time() - handed_over)}})
     keep = args.get("vmm")
@@ -383,8 +461,10 @@ def _dump_over(ctx: Any, args: dict[str, Any], cid: str | None) -> bool:
     script is waited for too: it may outlive a CRIU that was killed, and
     must not be racing us. Its own calls all have deadlines."""
     hook = args.get("hook") or [None, None]
+    before = args.get("after") or [None, None]  # a successor's: the guardian before it
     for what, pid, start in (("CRIU", args["criu_pid"], args["criu_start"]),
-                             ("the action script", hook[0], hook[1])):
+                             ("the action script", hook[0], hook[1]),
+                             ("the guardian before", before[0], before[1])):
         if pid is not None and not wait_exit(int(pid), start, ctx.host):
             ctx.log("guardian", container=cid, error=f"{what} (pid {pid}) still running after "
                     f"{MAX_WAIT_S}s: the workload is left as it is")
@@ -413,12 +493,7 @@ def _stored(args: dict[str, Any]) -> dict[int, str] | None:
     """GPU memory the pre-dump checkpointed into the image (custom storage):
     pid -> its directory, as the run's record holds it. A plain restore
     would find nothing to restore in those processes."""
-    from pathlib import Path
-
-    from cudahook.platform.store import read_json
-
-    data = read_json(Path(args["run"])) if args.get("run") else None
-    dirs = data.get("gpu_storage") if isinstance(data, dict) else None
+    dirs = _record_of(args).get("gpu_storage")
     if not isinstance(dirs, dict):
         return None
     return {int(p): d for p, d in dirs.items() if str(p).isdigit() and isinstance(d, str)}

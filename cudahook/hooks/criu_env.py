@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cudahook.platform.errors import UsageError
+from cudahook.platform.ids import PID_MAX_LIMIT
 from cudahook.platform.record import Record
 
 ACTIONS = {
@@ -21,10 +22,6 @@ class CriuCall(Record, frozen=True):
     image_dir: Path | None
     init_pid: int | None  # host PID of the container's init (unset at pre-restore)
     criu_pid: int  # the CRIU process that runs us; identifies this dump or restore
-
-
-# The kernel's ceiling for pid_max (PID_MAX_LIMIT on 64-bit).
-PID_MAX_LIMIT = 1 << 22
 
 
 def parse_pid(text: str) -> int:

@@ -13,9 +13,9 @@ import sys
 
 from cudahook.flow import tracking
 from cudahook.platform.errors import Exit, UsageError, one_line, report
+from cudahook.platform.ids import PID_MAX_LIMIT
 
 from . import oci_state
-from .criu_env import PID_MAX_LIMIT
 
 CREATE_STAGES = ("prestart", "createRuntime")
 STAGES = (*CREATE_STAGES, "poststart", "poststop")

@@ -44,6 +44,13 @@ class Settings(Record, frozen=True):
     # image directory itself) or "auto" (storage where the driver has it).
     # `cudahook features` and doctor say which a container would get, and why.
     gpu_memory: str = "host"
+    # GPU memory in storage: "zstd" stores each chunk that shrinks compressed
+    # at gpu_storage_zstd_level (1-19), "off" stores every chunk raw.
+    # gpu_storage_dedupe: identical chunks of one checkpoint are stored once,
+    # as hard links (an archive that refuses hard links needs it off).
+    gpu_storage_compression: str = "off"
+    gpu_storage_zstd_level: int = 3
+    gpu_storage_dedupe: bool = True
     # The node agent (core/agent.py, `cudahook agent start`): the driver-API
     # backend tries it first, waiting at most agent_connect_ms for a warm
     # worker, and attaches itself when none answers. "auto": the first hook

@@ -11,6 +11,9 @@ import re
 
 from .errors import UsageError
 
+# The kernel's ceiling for pid_max (PID_MAX_LIMIT on 64-bit): no real PID is larger.
+PID_MAX_LIMIT = 1 << 22
+
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -22,6 +22,7 @@ a log line: the other containers' series stay.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from pathlib import Path
 from .atomic import write_atomic
 from .eventlog import log
 from .privdir import private_subdir
-from .store import TooLarge, lock_file, read_json, write_bounded
+from .store import TooLarge, lock_file, process_alive, read_json, write_bounded
 
 # typing costs milliseconds at every hook start: annotations only.
 TYPE_CHECKING = False
@@ -65,6 +66,17 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "gauge", "1 when the container's last check said the operation can go ahead, else 0."),
     "cudahook_last_event_timestamp_seconds": (
         "gauge", "When cudahook last recorded anything about the container."),
+    # The node agent's (core/agent.py): one set per node, no container label.
+    "cudahook_agent_up": (
+        "gauge", "1 while the node agent (pid, driver) serves, 0 once it exited or died."),
+    "cudahook_agent_calls_total": (
+        "counter", "Driver calls the node agent passed to its workers since it started."),
+    "cudahook_agent_sessions_total": (
+        "counter", "Hook sessions the node agent served since it started."),
+    "cudahook_agent_sessions": (
+        "gauge", "Hook sessions open in the node agent."),
+    "cudahook_agent_resident_bytes": (
+        "gauge", "Resident memory (RSS) of the node agent, by process: agent, workers."),
 }
 
 DEFAULT_NAME = "metrics/cudahook.prom"
@@ -80,6 +92,12 @@ LOCK_WAIT_S = 2.0
 MAX_LABEL = 256
 # One event's changes, at most (a checkpoint makes some 30).
 MAX_OPS = 256
+# The node agent refreshes its entry this often while it runs (and once
+# when it exits); between two refreshes its liveness is read at each write.
+AGENT_REFRESH_S = 15.0
+# The agent's entry in the state: these numbers and its driver version, no more.
+AGENT_NUMBERS = ("pid", "start", "calls", "served", "sessions", "rss_bytes",
+                 "workers_rss_bytes")
 
 
 def label(value: object) -> str:
@@ -139,37 +157,31 @@ def update(settings: Settings, changes: Changes, *, now: float | None = None) ->
         return False
 
 
-def _update(settings: Settings, target: Path, changes: Changes, now: float) -> bool:
+def update_agent(settings: Settings, info: dict[str, Any]) -> bool:
+    """Record the node agent's own numbers (its status: pid, start, version,
+    calls, served, sessions, rss_bytes, workers_rss_bytes; `exited`: it is
+    ending) and rewrite the metrics file; False when not done. One fixed
+    entry, replaced each time: it never grows."""
+    target = metrics_path(settings)
+    if target is None:
+        return False
+    try:
+        return _update(settings, target, None, time.time(), agent=info)
+    except Exception:  # metrics never take the agent down
+        return False
+
+
+def _update(settings: Settings, target: Path, changes: Changes | None, now: float,
+            agent: dict[str, Any] | None = None) -> bool:
 
     state_path = private_subdir(settings.state_dir, STATE_DIR) / STATE_FILE
     fd = lock_file(state_path.with_suffix(".lock"), timeout_s=LOCK_WAIT_S)
     try:
         state = _valid(read_json(state_path))
-        containers: dict[str, dict[str, Any]] = state["containers"]
-        info = containers.setdefault(changes.container, {})
-        if changes.gpu_model:
-            info["gpu_model"] = changes.gpu_model
-        info["seen"] = now
-        base = {"container": changes.container, "gpu_model": info.get("gpu_model") or "unknown"}
-        series: list[list[Any]] = state["series"]
-        index = {_key(e[0], e[1], e[2]): e for e in series}
-
-        def add(name: str, part: str, labels: dict[str, str], value: float, op: str) -> None:
-            key = _key(name, part, labels)
-            entry = index.get(key)
-            if entry is None:
-                entry = index[key] = [name, part, labels, 0.0]
-                series.append(entry)
-            entry[3] = value if op == "set" else entry[3] + value
-
-        for op, name, labels, value in changes.ops:
-            full = {**base, **labels}
-            if op == "observe":
-                add(name, "sum", full, value, "inc")
-                add(name, "count", full, 1.0, "inc")
-            else:
-                add(name, "", full, value, op)
-        add("cudahook_last_event_timestamp_seconds", "", base, now, "set")
+        if agent is not None:
+            state["agent"] = _valid_agent({**agent, "seen": now})
+        if changes is not None:
+            _apply(state, changes, now)
         _prune(state, now - settings.state_retention_s)
         # Derived data, rewritten at every event: compact, and not fsynced (a
         # crash loses at most the last events; a damaged state starts over,
@@ -178,16 +190,46 @@ def _update(settings: Settings, target: Path, changes: Changes, now: float) -> b
         try:
             write_bounded(state_path, state, compact=True, durable=False)
         except TooLarge as exc:
-            log(settings.log_file, "metrics", container=changes.container,
-                dropped=len(changes.ops), reason=str(exc))
+            log(settings.log_file, "metrics", container=changes.container if changes else "",
+                dropped=len(changes.ops) if changes else 0, reason=str(exc))
             return False
         if target.parent != state_path.parent:
             target.parent.mkdir(parents=True, exist_ok=True)
         # Readable by node_exporter, which need not run as root.
-        write_atomic(target, render(state["series"]).encode(), mode=0o644, durable=False)
+        write_atomic(target, render(state["series"] + agent_series(state.get("agent"))).encode(),
+                     mode=0o644, durable=False)
         return True
     finally:
         os.close(fd)
+
+
+def _apply(state: dict[str, Any], changes: Changes, now: float) -> None:
+    """One container's event into the state."""
+    containers: dict[str, dict[str, Any]] = state["containers"]
+    info = containers.setdefault(changes.container, {})
+    if changes.gpu_model:
+        info["gpu_model"] = changes.gpu_model
+    info["seen"] = now
+    base = {"container": changes.container, "gpu_model": info.get("gpu_model") or "unknown"}
+    series: list[list[Any]] = state["series"]
+    index = {_key(e[0], e[1], e[2]): e for e in series}
+
+    def add(name: str, part: str, labels: dict[str, str], value: float, op: str) -> None:
+        key = _key(name, part, labels)
+        entry = index.get(key)
+        if entry is None:
+            entry = index[key] = [name, part, labels, 0.0]
+            series.append(entry)
+        entry[3] = value if op == "set" else entry[3] + value
+
+    for op, name, labels, value in changes.ops:
+        full = {**base, **labels}
+        if op == "observe":
+            add(name, "sum", full, value, "inc")
+            add(name, "count", full, 1.0, "inc")
+        else:
+            add(name, "", full, value, op)
+    add("cudahook_last_event_timestamp_seconds", "", base, now, "set")
 
 
 def _valid(data: Any) -> dict[str, Any]:
@@ -208,7 +250,43 @@ def _valid(data: Any) -> dict[str, Any]:
     for info in containers.values():
         if "gpu_model" in info:
             info["gpu_model"] = label(info["gpu_model"])
-    return {"containers": containers, "series": series}
+    out: dict[str, Any] = {"containers": containers, "series": series}
+    agent = _valid_agent(data.get("agent"))
+    if agent:
+        out["agent"] = agent
+    return out
+
+
+def _valid_agent(data: Any) -> dict[str, Any] | None:
+    """The agent's entry with its known fields only, each of its type."""
+    if not isinstance(data, dict):
+        return None
+    out: dict[str, Any] = {k: data[k] for k in (*AGENT_NUMBERS, "seen")
+                           if type(data.get(k)) in (int, float) and math.isfinite(data[k])}
+    if type(out.get("pid")) is not int:
+        return None
+    out["version"] = label(data.get("version") or "")[:64]
+    out["exited"] = data.get("exited") is True
+    return out
+
+
+def agent_series(agent: dict[str, Any] | None) -> list[list[Any]]:
+    """The agent's series from its entry: up (alive now, as the same
+    process), and while it is up its counts and memory."""
+    if not agent:
+        return []
+    up = not agent["exited"] and process_alive(agent["pid"], agent.get("start"))
+    who = {"pid": str(agent["pid"]), "driver": agent["version"] or "unknown"}
+    series: list[list[Any]] = [["cudahook_agent_up", "", who, 1.0 if up else 0.0]]
+    if up:
+        for name, key in (("cudahook_agent_calls_total", "calls"),
+                          ("cudahook_agent_sessions_total", "served"),
+                          ("cudahook_agent_sessions", "sessions")):
+            series.append([name, "", {}, float(agent.get(key, 0))])
+        for process, key in (("agent", "rss_bytes"), ("workers", "workers_rss_bytes")):
+            series.append(["cudahook_agent_resident_bytes", "", {"process": process},
+                           float(agent.get(key, 0))])
+    return series
 
 
 def _key(name: str, part: str, labels: dict[str, str]) -> tuple[Any, ...]:

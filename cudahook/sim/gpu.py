@@ -14,19 +14,25 @@ takes at least its largest per-GPU byte count over the link's bandwidth.
 
 Device memory is a memfd per allocation (mapped here for kernels and
 digests). A checkpoint's copy to the host (`download_fd`) hands the CUDA
-process that memfd (SCM_RIGHTS) within the copy's turn on the link; once
-the checkpoint has released the GPU, the process holds the only reference:
+process that memfd (SCM_RIGHTS) within the copy's turn on the link, and the
+process copies it into a memfd of its own (`copy_memfd`, in the kernel):
 its host copy, which CRIU dumps with the process and restores. A restore
-(`upload_fd`) hands it back and the service adopts it as device memory.
-The pages change hands rather than being copied, so a phase costs what the
-link model says, not what one Python process can memcpy; what a restored
-process reads is still exactly what went through the host (the image, under
-CRIU), and its memory check catches any page that changed on the way.
+(`upload_fd`) hands that back and the service adopts it as device memory,
+then copies it into memory of its own before the process's next GPU work
+(`_recharge`), off the restore's own time, as the real copy in is the
+GPU's DMA. Shared memory is charged to the memory cgroup that first
+touches it, so each copy made by its new owner puts the host copy in the
+container's cgroup and device memory in the service's, where a real node
+has them. The kernel copy at checkpoint runs within the link's time; what
+a restored process reads is exactly what went through the host (the
+image, under CRIU), and its memory check catches any page that changed on
+the way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import mmap
@@ -75,6 +81,9 @@ class Client:
     kind: str = "cuda"
     buffers: dict[int, Any] = field(default_factory=dict)  # handle -> mmap of its memfd
     fds: dict[int, int] = field(default_factory=dict)  # handle -> the memfd
+    # Buffers adopted from a restore's host copy, still charged to the
+    # process's memory cgroup: made the service's own before its next work.
+    recharge: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -88,6 +97,7 @@ class Mapping:
     owner: Client  # the process whose memory it is
     sizes: list[int]
     charged: int = 0  # device memory charged for it (a restore's range)
+    mapper: Client | None = None  # the checkpointer's context that mapped it
     # A checkpoint's range is its first allocation's own memfd, extended
     # past it (`_gather`): that allocation's size, to cut it back to if the
     # checkpoint is cancelled; None for a range of its own.
@@ -98,11 +108,45 @@ class Mapping:
 DROP_VIEW_BYTES = 1 << 20
 
 
+def _end_orphaned(pid: int, token: str) -> None:
+    """A custom-storage operation whose checkpointer went away (its context's
+    connection closed: the process exited, or was killed) before completing
+    it. The API has no abort, and what a driver does then is not documented;
+    the simulator models the driver tearing the caller's context down: the
+    operation ends as one that failed inside its call does (`storage-cancel`,
+    the target back to locked with its memory, or to checkpointed), never
+    left open. A target already past the operation refuses: nothing changes."""
+    from .tool import _ask
+
+    with contextlib.suppress(Exception):
+        _ask(pid, {"op": "storage-cancel", "token": token})
+
+
 def memfd(size: int, name: str = "cudahook-sim-device-memory") -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
     except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def copy_memfd(src: int, size: int) -> int:
+    """A new device-memory memfd holding `src`'s first `size` bytes, its
+    pages allocated by the calling process. Shared memory stays charged to
+    the memory cgroup that first touched it: a host copy made here counts
+    where the real driver's does (the copying process's own memory), not in
+    the cgroup of whoever made the source."""
+    fd = memfd(size)
+    try:
+        done = 0
+        while done < size:
+            n = os.copy_file_range(src, fd, size - done, done, done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"memfd copy stopped at {done} of {size} bytes")
+            done += n
+    except BaseException:
         os.close(fd)
         raise
     return fd
@@ -180,6 +224,10 @@ class GpuService:
                 freed = sum(len(b) for b in client.buffers.values())
                 dev.used -= freed
                 dev.users.pop(client.pid, None)
+            # A range this client mapped out of another process: its
+            # operation is ended below, never left open.
+            orphaned = [(t, m.owner.pid) for t, m in self.mappings.items()
+                        if m.mapper is client and m.owner is not client]
             ranges = [self._unmap(t) for t in [t for t, m in self.mappings.items()
                                                 if m.owner is client]]
         # Outside the lock: unmapping and freeing a process's device memory
@@ -189,6 +237,8 @@ class GpuService:
             self._drop(client, handle)
         for fd in ranges:
             os.close(fd)
+        for token, pid in orphaned:
+            threading.Thread(target=_end_orphaned, args=(pid, token), daemon=True).start()
 
     def _unmap(self, token: str) -> int:
         """Forget a custom-storage range (self.lock held); its memfd, for the
@@ -254,8 +304,34 @@ class GpuService:
         except (KeyError, ValueError) as exc:
             raise CudaError(INVALID_VALUE) from exc
 
+    def _recharge(self, client: Client) -> None:
+        """Make adopted buffers device memory of the service's own: copied
+        here, their pages are charged to the service's memory cgroup, and the
+        process's host copy goes once the process closes it (at restore)."""
+        for handle in sorted(client.recharge):
+            fd = client.fds.get(handle)
+            if fd is None:
+                continue
+            size = len(client.buffers[handle])
+            new = copy_memfd(fd, size)
+            try:
+                buf = _mapping(new, size)
+            except BaseException:
+                os.close(new)
+                raise
+            self._drop(client, handle)
+            client.buffers[handle], client.fds[handle] = buf, new
+        client.recharge.clear()
+
     def handle(self, client: Client, msg: dict[str, Any], payload: bytes) -> tuple[dict, bytes]:
         op = msg.get("op")
+        if client.recharge and op not in ("info", "hello", "alloc", "upload", "upload_fd"):
+            # The restore is over (its uploads are done): before any GPU
+            # work reads or writes the buffers.
+            try:
+                self._recharge(client)
+            except OSError as exc:
+                raise CudaError(OUT_OF_MEMORY, f"device memory: {exc}") from exc
         if op == "info":
             return self.info(), b""
         if op == "hello":
@@ -279,13 +355,16 @@ class GpuService:
                 self._charge(client, size)
             try:
                 if op == "alloc":
-                    fill = pattern(int(msg["seed"]), size) if "seed" in msg else None
+                    fill = pattern(int(msg["seed"]), size, str(msg.get("content", "pattern"))
+                                   ) if "seed" in msg else None
                     return {"handle": self._store(client, size, fill)}, b""
                 # The copy runs within its turn on the link (for an upload,
                 # the payload crossed the socket while the turn ran).
                 until = self._reserve(self._device(client), size, msg.get("_arrived", 0.0))
                 handle = (self._store(client, size, payload) if op == "upload"
                           else self._store(client, size, src=src))
+                if op == "upload_fd":
+                    client.recharge.add(handle)
                 self._wait(until)
                 return {"handle": handle}, b""
             except OSError as exc:
@@ -365,6 +444,16 @@ class GpuService:
                     fd, extends = self._gather(client, [int(h) for h in msg["handles"]], bufs)
                 else:
                     fd = memfd(total)
+                if op == "map_in" and total:
+                    # Device memory is the service's: its pages are made
+                    # here, so the checkpointer's copy in fills them without
+                    # charging its own memory cgroup (on a restore through
+                    # runc, the container's) for the GPU's memory.
+                    try:
+                        os.posix_fallocate(fd, 0, total)
+                    except OSError:
+                        os.close(fd)
+                        raise
             except OSError as exc:
                 if op == "map_in":
                     with self.lock:
@@ -373,7 +462,8 @@ class GpuService:
             token = secrets.token_hex(8)
             with self.lock:
                 self.mappings[token] = Mapping(fd, total, dev, client, sizes,
-                                               total if op == "map_in" else 0, extends)
+                                               total if op == "map_in" else 0,
+                                               extends=extends)
             return {"token": token, "size": total, "sizes": sizes}
         with self.lock:
             m = self.mappings.get(str(msg.get("token")))
@@ -382,6 +472,7 @@ class GpuService:
         if op == "map":
             if client.device is not m.device:
                 raise CudaError(INVALID_CONTEXT, "the range is on another GPU")
+            m.mapper = client
             return {"size": m.size, "_fd": os.dup(m.fd)}
         if m.owner is not client:
             raise CudaError(INVALID_VALUE, "not this process's mapping")

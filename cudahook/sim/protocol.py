@@ -171,11 +171,20 @@ class Channel:
             self.sock.close()
 
 
-def pattern(seed: int, size: int) -> bytes:
+# What a workload's device buffer holds: "pattern", one random 4 KiB block
+# repeated (compresses well, and its chunks are identical), or "random":
+# random bytes throughout (nothing to compress or dedupe; model weights are
+# closer to this).
+CONTENTS = ("pattern", "random")
+
+
+def pattern(seed: int, size: int, content: str = "pattern") -> bytes:
     """The known content of a workload's device buffer: cheap to make, and any
     change to it (or a zeroed buffer after a lost GPU) changes its digest."""
     import random
 
+    if content == "random":
+        return random.Random(seed).randbytes(size)
     block = random.Random(seed).randbytes(4096)
     whole, rest = divmod(size, 4096)
     return block * whole + block[:rest]

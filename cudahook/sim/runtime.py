@@ -33,9 +33,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .gpu import copy_memfd
 from .protocol import (
     ILLEGAL_STATE,
     INVALID_VALUE,
+    OUT_OF_MEMORY,
     TIMEOUT,
     UNKNOWN,
     Channel,
@@ -175,10 +177,12 @@ class SimCuda:
                 self.inflight -= 1
                 self.cond.notify_all()
 
-    def alloc(self, name: str, size: int, seed: int | None = None, *, vmm: bool = False) -> None:
+    def alloc(self, name: str, size: int, seed: int | None = None, *, vmm: bool = False,
+              content: str = "pattern") -> None:
         msg: dict[str, Any] = {"op": "alloc", "size": size}
         if seed is not None:
             msg["seed"] = seed
+            msg["content"] = content
         with self._work():
             reply, _ = self._call(msg)
         self.buffers[name] = int(reply["handle"])
@@ -344,10 +348,22 @@ class SimCuda:
                 # The GPU service paces the copy over the GPU's link: the copy
                 # is made within its time, the rest is waited out here.
                 reply, fd = self._call({"op": "download_fd", "handle": handle}, take_fd=True)
-                copy[name] = fd
-                if os.fstat(fd).st_size != int(reply.get("size", -1)):
-                    raise CudaError(UNKNOWN, f"host copy of {name!r} is incomplete")
-                left = float(reply.get("link_left") or 0)  # see the GPU service
+                # The link's time is counted from this reply (see the GPU
+                # service): the copy below runs within it, not on top of it.
+                ends = time.monotonic() + float(reply.get("link_left") or 0)
+                try:
+                    size = int(reply.get("size", -1))
+                    if os.fstat(fd).st_size != size:
+                        raise CudaError(UNKNOWN, f"host copy of {name!r} is incomplete")
+                    # The host copy is this process's own memory, charged to
+                    # its memory cgroup as the real driver's copy is: made
+                    # here, from the device memory the service handed over.
+                    copy[name] = copy_memfd(fd, size)
+                except OSError as exc:
+                    raise CudaError(OUT_OF_MEMORY, f"host copy of {name!r}: {exc}") from exc
+                finally:
+                    os.close(fd)
+                left = ends - time.monotonic()
                 if left > 0:
                     time.sleep(left)
         except (GpuLost, CudaError) as exc:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .protocol import CudaError, pattern
+from .protocol import CONTENTS, CudaError, pattern
 from .runtime import GpuLost, SimCuda
 
 PR_SET_PDEATHSIG = 1
@@ -36,6 +36,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    "of NVIDIA_VISIBLE_DEVICES, else 0)")
     p.add_argument("--mib", type=int, default=16, help="device memory to hold (MiB)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--content", choices=CONTENTS, default="pattern",
+                   help="what the device buffer holds: one 4 KiB block repeated, or random "
+                   "bytes throughout")
+    p.add_argument("--same-weights", action="store_true",
+                   help="every forked worker holds the same buffer content (one model "
+                   "loaded by several processes), not a seed of its own")
     p.add_argument("--tag", default=os.environ.get("CUDA_SIM_TAG", "workload"))
     p.add_argument("--status-dir", default=os.environ.get("CUDA_SIM_STATUS_DIR", ""))
     p.add_argument("--dev-dir", default=os.environ.get("CUDA_SIM_DEV_DIR", "/dev"))
@@ -123,7 +129,7 @@ def _map_nvml_library(socket_path: str) -> mmap.mmap | None:
 
 def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
     size = args.mib << 20
-    expected = hashlib.sha256(pattern(args.seed, size)).hexdigest()
+    expected = hashlib.sha256(pattern(args.seed, size, args.content)).hexdigest()
     cuda = SimCuda(args.socket, resolve_gpu(args.socket, args.gpu), args.dev_dir, args.ctl_dir,
                    tag=args.tag)
     cuda.init()
@@ -137,7 +143,7 @@ def run_cuda(args: argparse.Namespace, rep: Reporter) -> None:
         # And the library shows in its mappings, as libnvidia-ml.so.1 does
         # in a process that called nvmlInit (the node's copy beside gpu.sock).
         nvml_lib = _map_nvml_library(args.socket)
-    cuda.alloc("data", size, seed=args.seed)
+    cuda.alloc("data", size, seed=args.seed, content=args.content)
     cuda.alloc("counter", 8)
     vmm_expected = None
     if args.vmm or args.vmm_decoy:
@@ -211,7 +217,8 @@ def main(argv: list[str]) -> int:
         if pid == 0:
             ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             args.tag = f"{args.tag}.{i}"
-            args.seed += i
+            if not args.same_weights:
+                args.seed += i
             break
         children.append(pid)
     else:

@@ -214,9 +214,9 @@ class SharedBoxes:
         self.tmp = tmp
         self.count = 0
 
-    def configure(self, backend: str) -> None:
+    def configure(self, backend: str, **extra: Any) -> None:
         cfg = yaml.safe_load(self.env.config.read_text())
-        cfg.update(self.deadlines, backend=backend)
+        cfg.update(self.deadlines, backend=backend, **extra)
         self.env.config.write_text(yaml.safe_dump(cfg))
 
     def run(self, bundle: Path, tags: list[str]) -> str:

@@ -124,3 +124,49 @@ def test_checkpoint_and_restore_are_checked_and_counted(make_env, tmp_path) -> N
     assert entry["last"]["restore"]["ok"] and entry["last"]["restore"]["gpu_bytes"] == 3 << 20
     assert entry["metrics"]["series"]["cudahook_restores_total{outcome=ok}"] == 1
     assert os.path.exists(st["metrics_file"])
+
+
+def test_the_room_checked_follows_the_containers_gpu_memory_path(make_env, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`check --container` on a container whose annotation asks for `auto`:
+    with custom storage its GPU memory would go to the image, so a memory
+    limit too tight for a host copy does not refuse it and the image
+    directory's disk does; without custom storage the same container takes
+    the host path and its memory cgroup's headroom refuses it."""
+    env = make_env(driver=590)
+    env.lab.set(cuda_version=13040)
+    settings = env.lab.settings(backend="driver-api")
+    env.config.write_text(yaml.safe_dump(dict(settings.__dict__)))
+    bundle = env.box.bundle("b", [("st", {"mib": 40})],
+                            annotations={"cudahook.io/gpu-memory": "auto"})
+    cid = env.cid()
+    assert env.box.run(cid, bundle).returncode == 0
+    env.wait_running(["st"], steps=2)
+    init = int(env.box.state(cid)["pid"])
+    memory = next(Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
+                  for line in Path(f"/proc/{init}/cgroup").read_text().splitlines()
+                  if line.split(":")[1] == "memory")
+    usage = int((memory / "memory.usage_in_bytes").read_text())
+    (memory / "memory.limit_in_bytes").write_text(str(usage + (8 << 20)))
+
+    rc, v = check(env.config, "--container", cid)
+    assert rc == 0 and v["facts"]["gpu_memory_path"] == "storage", v
+    assert "host memory" not in v["checked"] and "HOST_MEMORY" not in codes(v), v
+    assert any("--image-dir" in w for w in v["warnings"]), v
+    small = tmp_path / "small"
+    small.mkdir()
+    assert subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs",
+                           str(small)]).returncode == 0
+    try:
+        rc, v = check(env.config, "--container", cid, "--image-dir", str(small))
+        assert rc == 1 and codes(v) == ["IMAGE_SPACE"], v
+        assert "storage path" in v["problems"][0]["detail"], v
+    finally:
+        subprocess.run(["umount", str(small)])
+
+    env.lab.set(cuda_version=13010)  # the same node without custom storage
+    rc, v = check(env.config, "--container", cid)
+    assert rc == 1 and codes(v) == ["HOST_MEMORY"], v
+    assert v["facts"]["gpu_memory_path"] == "host", v
+    assert "custom storage unavailable" in v["facts"]["gpu_memory_path_why"], v
+    assert "memory limit" in v["problems"][0]["detail"], v
+    env.wait_running(["st"], env.counters(["st"]), steps=2)  # checks touched nothing

@@ -108,3 +108,61 @@ def test_storage_path_round_trip_sizes_and_a_flipped_bit(make_env, tmp_path, cap
     for t in TAGS:
         st = env.lab.status(t)
         assert st["intact"] and not st["errors"] and st.get("checked_restores", 0) >= 1, st
+
+
+# Three processes holding the same weights (random: nothing to compress), and
+# one whose memory compresses well.
+SHARED = [("replica", {"mib": 20, "procs": 3, "same_weights": True, "content": "random",
+                       "check_after_restore": True}),
+          ("packed", {"mib": 20, "check_after_restore": True})]
+SHARED_TAGS = ["replica.0", "replica.1", "replica.2", "packed"]
+
+
+def test_storage_path_with_dedupe_and_zstd_round_trips_smaller(make_env, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """runc + CRIU with `gpu_storage_compression: zstd`: the replicas' full
+    chunk is stored once, the compressible process's chunks shrink, the
+    image checks clean and restores every process intact."""
+    import subprocess
+    import sys
+
+    env = make_env()
+    env.lab.set(cuda_version=13040)
+    settings = env.lab.settings(backend="driver-api", gpu_memory="storage",
+                                gpu_storage_compression="zstd")
+    env.config.write_text(yaml.safe_dump(dict(settings.__dict__)))
+    bundle = env.box.bundle("b3", SHARED)
+    cid = env.cid()
+    assert env.box.run(cid, bundle).returncode == 0
+    env.wait_running(SHARED_TAGS, steps=3)
+    image = tmp_path / "img"
+    r = env.box.checkpoint(cid, image)
+    assert r.returncode == 0, r.stderr
+    m = manifest.read(image)
+    assert m is not None and m.gpu_storage is not None
+    assert m.version == manifest.PACKED_VERSION and m.gpu_storage.digest == "blake3"
+    seen: set[int] = set()
+    stored = 0
+    for f in (image / "cudahook-gpu").rglob("*.chunk"):
+        st = f.stat()
+        if st.st_ino not in seen:
+            seen.add(st.st_ino)
+            stored += st.st_size
+    raw = m.gpu_storage.bytes
+    with capsys.disabled():
+        print(f"\ncudahook-gpu/: {stored / 2**20:.1f} MiB stored for {raw / 2**20:.1f} MiB of "
+              f"GPU memory ({stored / raw:.3f}x)")
+    # One 16 MiB chunk for three replicas, the packed process's almost nothing:
+    # about 16 + 3 x 4 MiB of the 80 MiB.
+    assert stored < raw * 0.45
+    assert not (image / "cudahook-gpu" / "by-digest").exists()
+    r = subprocess.run([sys.executable, "-m", "cudahook", "--config", str(env.config), "check",
+                        "--image", str(image)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    frozen = env.frozen(cid, SHARED_TAGS)
+    env.box.delete(cid)
+    r = env.box.restore(cid, bundle, image)
+    assert r.returncode == 0, r.stderr
+    env.wait_running(SHARED_TAGS, frozen)
+    for t in SHARED_TAGS:
+        st = env.lab.status(t)
+        assert st["intact"] and not st["errors"] and st.get("checked_restores", 0) >= 1, st

@@ -247,3 +247,38 @@ def test_installed_wrapper_and_hooks_round_trip_and_demo(machine, tmp_path) -> N
     assert r.returncode == 0, r.stderr
     assert not Path("/usr/local/bin/cudahook").exists()
     shutil.rmtree(tmp_path / "runc", ignore_errors=True)
+
+
+def test_install_sh_agent_under_systemd_enables_restarts_on_upgrade_and_uninstall_disables(
+        node_root: Path, tmp_path: Path) -> None:
+    """install.sh itself (the venv, pip, the installer) on a node whose PID 1
+    is systemd (its proc/1/comm); systemctl is a stand-in on PATH that
+    records its calls (the init system is not under test)."""
+    root = node_root
+    (root / "proc/1").mkdir(parents=True)
+    (root / "proc/1/comm").write_text("systemd\n")
+    calls = tmp_path / "systemctl-calls"
+    fakebin = tmp_path / "fakebin"
+    fakebin.mkdir()
+    (fakebin / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexit 0\n')
+    (fakebin / "systemctl").chmod(0o755)
+    path = f"PATH={fakebin}:{os.environ['PATH']}"
+    install = str(REPO / "install.sh")
+    unit = "cudahook-agent.service"
+
+    def seen() -> list[str]:
+        out = [c for c in calls.read_text().splitlines() if not c.startswith("show ")]
+        calls.unlink()
+        return out
+
+    r = at_root(root, "env", path, install, "--agent")
+    assert r.returncode == 0, r.stderr
+    assert seen() == ["daemon-reload", f"try-restart {unit}", f"enable --now {unit}"]
+    assert (root / "etc/systemd/system" / unit).is_file()
+    r = at_root(root, "env", path, install)  # the upgrade: a running agent gets the new code
+    assert r.returncode == 0, r.stderr
+    assert seen() == ["daemon-reload", f"try-restart {unit}"]
+    r = at_root(root, "env", path, install, "--uninstall")
+    assert r.returncode == 0, r.stderr
+    assert seen() == [f"disable --now {unit}", "daemon-reload"]
+    assert not (root / "etc/systemd/system" / unit).exists()

@@ -171,3 +171,29 @@ def test_node_exporter_textfile_collector_serves_cudahook_series(written: Path,
     assert [v for (n, _), v in got.items() if n == "node_textfile_scrape_error"] == [0.0], scraped
     assert cudahook_samples(scraped) == cudahook_samples(written.read_text())
     assert not [n for n, _ in got if n.startswith("node_cpu")]  # the other collectors are off
+
+
+def test_promtool_finds_no_problem_in_the_node_agents_series(tmp_path: Path) -> None:
+    """The agent's series beside a container's, as the agent writes them."""
+    import os
+
+    from cudahook.platform import metrics
+    from cudahook.platform.config import Settings
+    from cudahook.platform.host import Host
+
+    s = Settings(state_dir=str(tmp_path / "state"), log_file=str(tmp_path / "log"),
+                 metrics_file=str(tmp_path / "textfile" / "cudahook.prom"))
+    me = os.getpid()
+    assert metrics.update_agent(s, {"pid": me, "start": Host().start_time(me),
+                                    "version": "580.65.06", "calls": 12, "served": 3,
+                                    "sessions": 1, "rss_bytes": 1 << 24,
+                                    "workers_rss_bytes": 1 << 25})
+    assert metrics.update(s, metrics.Changes("c1", "H100").inc("cudahook_checkpoints_total",
+                                                               outcome="ok"))
+    text = Path(s.metrics_file).read_text()  # type: ignore[arg-type]
+    names = {n for n, _ in cudahook_samples(text)}
+    assert {"cudahook_agent_up", "cudahook_agent_calls_total", "cudahook_agent_sessions_total",
+            "cudahook_agent_sessions", "cudahook_agent_resident_bytes",
+            "cudahook_checkpoints_total"} <= names, names
+    r = promtool(text)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r

@@ -35,6 +35,7 @@ import yaml
 
 from cudahook.admin import hookfiles
 from cudahook.admin.configure import plan as registration
+from cudahook.core import manifest
 from cudahook.platform import paths
 from cudahook.platform.errors import Exit
 from cudahook.sim.lab import PKG_PARENT, SimLab
@@ -114,13 +115,19 @@ class SimNode:
 
 def make_node(tmp: Path, image: Path, name: str, *, seed: str, gpus: int = 2,
               driver: int = 580, gpu_specs: list[dict[str, Any]] | None = None,
-              with_image: bool = True) -> SimNode:
+              with_image: bool = True, gpu_memory: str = "host") -> SimNode:
+    """`gpu_memory` other than host: a CUDA 13.4 driver (custom storage), the
+    driver-API backend, and that setting."""
     d = tmp / name
     lab = SimLab(d / "gpu", seed=seed, gpus=gpus, driver=driver, gpu_specs=gpu_specs).start()
     etc, libexec, root = d / "etc", d / "libexec", d / "root"
     for x in (etc / "hooks.d", libexec, root):
         x.mkdir(parents=True)
-    (etc / "config.yaml").write_text(yaml.safe_dump(dict(lab.settings().__dict__)))
+    settings = lab.settings()
+    if gpu_memory != "host":
+        lab.set(cuda_version=13040)
+        settings = lab.settings(backend="driver-api", gpu_memory=gpu_memory)
+    (etc / "config.yaml").write_text(yaml.safe_dump(dict(settings.__dict__)))
     # The hooks with this node's configuration and root baked in, at the common path.
     saved = os.environ.get(paths.ROOT_ENV)
     os.environ[paths.ROOT_ENV] = str(COMMON / "root")
@@ -415,12 +422,23 @@ def sh(*argv: str, cwd: Path | None = None) -> None:
     assert r.returncode == 0, (argv, r.stdout, r.stderr)
 
 
-def test_runc_recipe_moves_the_container(make_env: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("gpu_memory", ["host", "storage"])
+def test_runc_recipe_moves_the_container(make_env: Any, tmp_path: Path, gpu_memory: str) -> None:
     """README's runc recipe: runc checkpoint, tar + sha256sum, copy, check,
-    unpack, runc restore with node B's bundle naming node B's GPU."""
+    unpack, runc restore with node B's bundle naming node B's GPU. On the
+    storage path the tar carries cudahook-gpu/, and the memory comes back
+    intact through the device map."""
+    from .test_gpu_storage_e2e import configure
+
     a = make_env(seed="node-a")
     b = make_env(seed="node-b")
-    workloads = [("solo", {"mib": 4}), ("mp", {"mib": 2, "procs": 2})]
+    check = gpu_memory == "storage"
+    if check:
+        for env in (a, b):
+            env.lab.set(cuda_version=13040)
+            configure(env, gpu_memory)
+    workloads = [("solo", {"mib": 4, "check_after_restore": check}),
+                 ("mp", {"mib": 2, "procs": 2, "check_after_restore": check})]
     tags = ["solo", "mp.0", "mp.1"]
     cid = f"gpu-{uuid.uuid4().hex[:8]}"
     r = a.box.run(cid, a.box.bundle("b1", workloads, others=OTHERS, visible=a.lab.uuids[:1]))
@@ -430,6 +448,8 @@ def test_runc_recipe_moves_the_container(make_env: Any, tmp_path: Path) -> None:
     r = a.box.checkpoint(cid, image)
     assert r.returncode == 0, r.stderr
     frozen = a.frozen(cid, tags)
+    m = manifest.read(image)
+    assert m is not None and (m.gpu_storage is not None) == check
     # node A: pack and sum; the copy; node B: check and unpack
     sh("tar", "-C", str(image), "-czf", str(tmp_path / "ckpt.tar.gz"), ".")
     sh("sh", "-c", "sha256sum ckpt.tar.gz > ckpt.tar.gz.sha256", cwd=tmp_path)
@@ -448,6 +468,7 @@ def test_runc_recipe_moves_the_container(make_env: Any, tmp_path: Path) -> None:
     for t in tags:
         st = b.lab.wait_counter(t, frozen[t] + 11, timeout=30)
         assert st["intact"] and st["errors"] == [] and st["gpu"] == b.lab.uuids[0], st
+        assert st.get("checked_restores", 0) >= int(check), st
     (restore,) = b.events("restore")
     assert restore["device_map"] == {a.lab.uuids[0]: b.lab.uuids[0]}
     assert a.events("restore") == []
@@ -507,3 +528,132 @@ def test_a_failed_checkpoint_leaves_the_workload_then_leave_running_clones_it(
     wait_healthy(a.lab, tags, counters(a.lab, tags))
     reports = wait_healthy(b.lab, tags, {t: at_checkpoint[t] - 3 for t in tags})
     assert {st["gpu"] for st in reports.values()} == {b.lab.uuids[0]}
+
+
+def test_storage_path_archive_carries_the_chunks(nodes: Any, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`gpu_memory: storage`: the archive carries cudahook-gpu/ (its chunks
+    pass the reader's member rules and caps); one byte changed in a chunk,
+    the archive re-packed and its checksum made anew (as whoever supplied
+    it would), is refused by the chunk's digest before podman creates
+    anything; the intact archive restores onto node B's GPU, intact."""
+    import tarfile
+
+    from .test_storage_runtimes import split_sizes, with_flipped_chunk
+
+    a = nodes("a", seed="node-a", gpu_memory="storage")
+    b = nodes("b", seed="node-b", gpu_memory="storage")
+    workloads = [("solo", {"mib": 40, "check_after_restore": True}),
+                 ("mp", {"mib": 2, "procs": 2, "check_after_restore": True})]
+    _, tags, archive, frozen = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit", workloads)
+    with tarfile.open(archive) as t:
+        sizes = {x.name: x.size for x in t.getmembers() if x.isfile()}
+        # A deduplicated chunk (a hard link) counts as the bytes it holds.
+        files = [(x.name, sizes[x.linkname] if x.islnk() else x.size) for x in t.getmembers()
+                 if (x.isfile() or x.islnk()) and x.name.startswith("checkpoint/")]
+        raw = t.extractfile("checkpoint/" + manifest.NAME)
+        assert raw is not None
+        m = manifest.parse(raw.read())
+    assert m.gpu_storage is not None
+    criu, gpu = split_sizes(files)
+    with capsys.disabled():
+        print(f"\nmigrate (podman export): CRIU image {criu / 2**20:.1f} MiB, cudahook-gpu/ "
+              f"{gpu / 2**20:.1f} MiB ({m.gpu_storage.bytes / 2**20:.1f} MiB of GPU memory)")
+    assert gpu >= m.gpu_storage.bytes >= 44 << 20 and criu < m.gpu_storage.bytes
+
+    solo = next(p for p in m.gpu_storage.processes if len(p.files()) > 1)
+    # A chunk stored as a file (the solo's equal chunks are links to its first).
+    chunk = next(f"{manifest.STORAGE_DIR}/{solo.nspid}/{f.name}" for f in solo.files()
+                 if f"checkpoint/{manifest.STORAGE_DIR}/{solo.nspid}/{f.name}" in sizes)
+    bad = with_flipped_chunk(archive, tmp_path / "bad.tar", f"checkpoint/{chunk}")
+    sh("sh", "-c", "sha256sum bad.tar > bad.tar.sha256", cwd=tmp_path)
+    digest = hashlib.sha256(bad.read_bytes()).hexdigest()
+    r = b.migrate("restore", str(bad), "--name", "bad")
+    assert_refused_cleanly(b, r, Exit.NOT_HERE,
+                           f"{chunk!r}: {m.gpu_storage.digest} or size differs")
+    assert b.events("post-restore") == []  # refused before podman ran
+    assert hashlib.sha256(bad.read_bytes()).hexdigest() == digest
+    assert counters(b.lab, tags) == {t: 0 for t in tags}
+
+    r = b.migrate("restore", str(archive), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["device_map"] == {a.lab.uuids[0]: b.lab.uuids[0]}
+    reports = wait_healthy(b.lab, tags, frozen)
+    assert {st["gpu"] for st in reports.values()} == {b.lab.uuids[0]}
+    assert all(st.get("checked_restores", 0) >= 1 for st in reports.values()), reports
+
+
+#: podman, with `--keep` added to a restore: the checkpoint it imported stays
+#: in the container's directory for the test to look at.
+KEEP_PODMAN = """
+import os, sys
+argv = sys.argv[1:]
+for i in range(len(argv) - 1):
+    if argv[i:i + 2] == ["container", "restore"]:
+        argv.insert(i + 2, "--keep")
+        break
+os.execv(argv[0], argv)
+"""
+
+
+def test_storage_path_deduplicated_chunks_cross_as_hard_links(nodes: Any, tmp_path: Path,
+                                                             capsys) -> None:  # type: ignore[no-untyped-def]
+    """`gpu_storage_dedupe` (the default): processes holding the same weights
+    store each shared chunk once, the others hard links to it, and podman's
+    export holds those as tar hard links. migrate carries them as links (each
+    checked as the chunk the manifest names) and node B restores every
+    process intact from an image where the shared chunks are still one file."""
+    import tarfile
+
+    a = nodes("a", seed="node-a", gpu_memory="storage")
+    b = nodes("b", seed="node-b", gpu_memory="storage")
+    workloads = [("replica", {"mib": 20, "procs": 3, "same_weights": True, "content": "random",
+                              "check_after_restore": True})]
+    _, tags, archive, frozen = checkpoint_on(a, a.lab.uuids[:1], tmp_path / "transit", workloads)
+    with tarfile.open(archive) as t:
+        members = t.getmembers()
+        raw = t.extractfile("checkpoint/" + manifest.NAME)
+        assert raw is not None
+        m = manifest.parse(raw.read())
+    assert m.gpu_storage is not None and len(m.gpu_storage.processes) == 3
+    gpu = f"checkpoint/{manifest.STORAGE_DIR}/"
+    links = {x.name: x.linkname for x in members if x.islnk()}
+    chunks = [x.name for x in members if x.isfile() and x.name.endswith(".chunk")]
+    # Three processes, the same weights: their first (full) chunk stored once,
+    # the others' a link to it.
+    assert len(links) >= 2, (links, chunks)
+    assert all(n.startswith(gpu) and t in chunks for n, t in links.items())
+    names = {t: 1 + list(links.values()).count(t) for t in links.values()}
+    with capsys.disabled():
+        print(f"\nmigrate (deduplicated): {len(chunks)} chunk file(s), {len(links)} hard link(s) "
+              f"in the export, {archive.stat().st_size / 2**20:.1f} MiB")
+
+    wrapper = tmp_path / "keep-podman.py"
+    wrapper.write_text(KEEP_PODMAN)
+    r = b.cudahook("migrate", "restore", str(archive), "--json", "--podman",
+                   f"{sys.executable} {wrapper} {b.podman.command()}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["device_map"] == {a.lab.uuids[0]: b.lab.uuids[0]}
+    reports = wait_healthy(b.lab, tags, frozen)
+    assert {st["gpu"] for st in reports.values()} == {b.lab.uuids[0]}
+    assert all(st.get("checked_restores", 0) >= 1 for st in reports.values()), reports
+
+    # The image podman unpacked on B: each shared chunk one file, a name per process.
+    kept = Path(b.podman.inspect(out["container"])["StaticDir"]) / "checkpoint"
+    count = ("import os, sys, json; d = sys.argv[1]; print(json.dumps({os.path.relpath(os.path"
+             ".join(r, f), d): (os.lstat(os.path.join(r, f)).st_nlink, os.lstat(os.path.join(r, "
+             "f)).st_ino) for r, _, fs in os.walk(d) for f in fs if f.endswith('.chunk')}))")
+    res = subprocess.run(b.ns.wrap([sys.executable, "-c", count, str(kept)]),
+                         capture_output=True, text=True, timeout=60, check=True)
+    on_b = json.loads(res.stdout)
+    assert len(on_b) == len(chunks) + len(links), on_b
+    for name, target in links.items():
+        here, there = on_b[name.removeprefix("checkpoint/")], on_b[target.removeprefix(
+            "checkpoint/")]
+        assert here[1] == there[1] and here[0] == names[target], (name, here, there)
+
+    # podman's own --import takes the export as it is, links and all (on A,
+    # whose GPUs its spec names).
+    a.podman("container", "restore", "--import", str(archive), "--name", "plain-import")
+    reports = wait_healthy(a.lab, tags, frozen)
+    assert all(st.get("checked_restores", 0) >= 1 for st in reports.values()), reports

@@ -289,6 +289,22 @@ def installed_node(tmp: Path, *runtimes: str) -> Iterator[Node]:
             shutil.rmtree(prefix, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def gpu_memory(node: Node, path: str) -> Iterator[None]:
+    """The installed node's configuration with `gpu_memory: path` (the
+    driver-API backend, on a CUDA 13.4 driver: the one with custom storage)
+    while it lasts; the configuration and driver as they were afterwards."""
+    before, cuda = CONFIG.read_bytes(), node.lab.config.get("cuda_version", 0)
+    node.lab.set(cuda_version=13040)
+    settings = node.lab.settings(backend="driver-api", gpu_memory=path)
+    CONFIG.write_text(yaml.safe_dump(dict(settings.__dict__)))
+    try:
+        yield
+    finally:
+        CONFIG.write_bytes(before)
+        node.lab.set(cuda_version=cuda)
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """containerd and docker registered."""
@@ -355,9 +371,10 @@ class GpuSpec:
         return args + [x for e in (self.env if env is None else env) for x in ("-e", e)]
 
 
-def gpu_spec(lab: SimLab, prefix: str) -> GpuSpec:
+def gpu_spec(lab: SimLab, prefix: str,
+             workloads: list[tuple[str, dict[str, Any]]] = WORKLOADS) -> GpuSpec:
     """What RuncBox puts in a GPU container, for a runtime's command line."""
-    cmd, tags = workload_script(prefix)
+    cmd, tags = workload_script(prefix, workloads)
     binds = [("/usr", "/usr", True), ("/etc", "/etc", True), *guest_binds(lab)]
     return GpuSpec(cmd, guest_env(lab.uuids[:1]), binds, tags)
 

@@ -340,3 +340,39 @@ def test_poststop_removes_the_restored_containers_own_sockets(make_env, tmp_path
     assert len(list(ctl.glob("cuda-vmm-*.sock"))) == len(tags)
     env.box.delete(cid)
     assert sorted(p.name for p in ctl.iterdir()) == ["keep"]
+
+
+def test_storage_path_mappings_survive(make_env, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`gpu_memory: storage`: the GPU memory goes into cudahook-gpu/, the
+    interposer's state into cuda-vmm.state, both in the image. After a
+    --leave-running dump the guardian restores the memory from the chunks
+    and replays the mappings; a restore brings back each process's memory
+    and its VMM mappings."""
+    from .test_gpu_storage_e2e import configure
+
+    env = make_env()
+    env.lab.set(cuda_version=13040)
+    configure(env, "storage")
+    cid, bundle, _, tags = start(env, tmp_path,
+                                 workloads=[("mp", {"mib": 20, "procs": 3, "vmm": True,
+                                                    "check_after_restore": True})], others=[])
+    r = env.box.checkpoint(cid, tmp_path / "live", leave_running=True)
+    assert r.returncode == 0, r.stderr
+    env.wait_event("guardian", lambda e: "resumed" in e.get("outcome", ""))
+    env.wait_running(tags, env.counters(tags))
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"]
+    image = tmp_path / "img"
+    r = env.box.checkpoint(cid, image)
+    assert r.returncode == 0, r.stderr
+    m = manifest.read(image)
+    assert m is not None and m.vmm is True and m.gpu_storage is not None
+    assert (image / "cuda-vmm.state").is_file()
+    assert len(m.gpu_storage.processes) == len(tags)
+    frozen = env.frozen(cid, tags)
+    r = env.box.restore(cid, bundle, image)
+    assert r.returncode == 0, r.stderr
+    env.wait_running(tags, frozen)  # includes the VMM mapping's content check
+    assert [c["op"] for c in env.lab.vmm_calls()] == ["prepare", "restore"] * 2
+    for t in tags:
+        st = env.lab.status(t)
+        assert st["intact"] and not st["errors"] and st.get("checked_restores", 0) >= 1, st

@@ -411,3 +411,98 @@ class Rig:
                 p.wait(timeout=10)
         if self.lab is not None:
             self.lab.stop()
+
+
+# -- custom storage (CUDA 13.4+) ---------------------------------------------------
+
+
+def custom_storage_probe(rig: Rig, start: Callable[[], Workload], where: Path,
+                         timeout: float = 120.0) -> dict[str, Any]:
+    """GPU memory straight to storage on this node, measured once.
+
+    Whether the driver has CUDA 13.4's custom storage (the driver-API helper
+    asks cuGetProcAddress for cuCheckpointOperationComplete at 13040), with
+    the driver and CUDA versions; if it does, the workload `start` gives
+    (started only then) has its first process locked, checkpointed into
+    chunk files under `where` and restored from them, and the result says
+    how many bytes went each way in how long (GB/s for its GPU), the state
+    between, and whether the process then computed
+    on with its memory check passing. Whatever fails on the way, the process
+    is put back to running before this returns. `supported` False, with
+    `why`, is an answer, not an error."""
+    from cudahook.core.backends.driver_api import DriverAPI
+
+    settings = rig.settings.with_overrides(call_timeout_s=max(rig.settings.call_timeout_s, timeout))
+    api = DriverAPI(Host(), settings)
+    out: dict[str, Any] = {"supported": False, "why": "", "driver": None, "cuda_version": None,
+                           "libcuda": settings.libcuda}
+    try:
+        features = api.probe()
+        hello = getattr(api._helper, "hello", None) or {}  # the helper's answer at attach
+        out.update(supported=bool(features.custom_storage), why=features.custom_storage_why,
+                   driver=features.version, cuda_version=hello.get("cuda_version"))
+        if not features.custom_storage:
+            return out
+        wl = start()
+        pid = wl.pids()[0]
+        gpu = rig.gpu_of(wl)
+        before = wl.counters()
+        checks = [int(s.get("checks", 0)) for s in wl.statuses()]
+        where.mkdir(parents=True, exist_ok=True)
+        directory = where / str(pid)
+        api.lock(pid, settings.lock_timeout_ms)
+        try:
+            t0 = time.perf_counter()
+            done = api.checkpoint_to_storage(pid, str(directory))
+            ckpt_s = time.perf_counter() - t0
+            out["state_after_checkpoint"] = api.get_state(pid)
+            files = sorted(p.name for p in directory.iterdir())
+            t0 = time.perf_counter()
+            api.restore_from_storage(pid, str(directory))
+            restore_s = time.perf_counter() - t0
+            out["state_after_restore"] = api.get_state(pid)
+            api.unlock(pid)
+        finally:
+            out["put_back"] = _back_to_running(api, pid, directory)
+        size = int(done.get("bytes", 0))
+        out["chunks"] = len([f for f in files if f.endswith(".chunk")])
+        out["per_gpu"] = {gpu: {
+            "bytes": size, "ranges": done.get("ranges"),
+            "checkpoint_s": round(ckpt_s, 4), "restore_s": round(restore_s, 4),
+            "checkpoint_gb_s": round(size / ckpt_s / 1e9, 3) if ckpt_s else None,
+            "restore_gb_s": round(size / restore_s / 1e9, 3) if restore_s else None}}
+        wl.wait_progress(before, steps=3, timeout=timeout)
+        wait_for(lambda: all(int(s.get("checks", 0)) > c
+                             for s, c in zip(wl.statuses(), checks, strict=True)),
+                 timeout, lambda: f"no memory check since the restore: {wl.describe()}")
+        st = wl.statuses()[0]
+        out["intact"] = st.get("intact") is True and not st.get("errors")
+        out["status_after"] = st
+        return out
+    finally:
+        api.close()
+
+
+def _back_to_running(api: Any, pid: int, directory: Path) -> list[str]:
+    """Bring a probed process back whatever state it was left in; what was done."""
+    done: list[str] = []
+    for _ in range(3):
+        try:
+            state = api.get_state(pid)
+        except Exception as exc:
+            done.append(f"get-state: {exc}")
+            return done
+        try:
+            if state == "checkpointed":
+                if (directory / "manifest.json").exists():
+                    api.restore_from_storage(pid, str(directory))
+                else:
+                    api.restore(pid)
+            elif state == "locked":
+                api.unlock(pid)
+            else:
+                return done
+            done.append(f"from {state}")
+        except Exception as exc:
+            done.append(f"from {state}: {exc}")
+    return done

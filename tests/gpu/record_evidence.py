@@ -11,8 +11,9 @@ for every illegal transition and non-CUDA target, a lock timeout, bad device
 maps, a `--toggle` round trip, getopt forms (abbreviations, `-pPID`,
 `--pid=PID`), a thread ID as `--pid`, `--timeout 0`, `--get-state` polled
 during a long checkpoint and restore, persistence mode off and on, two
-members of one R590 job driven at once, and timings (driver attach cost, and
-lock / checkpoint / restore / unlock per GiB). It keeps the raw `--help`
+members of one R590 job driven at once, timings (driver attach cost, and
+lock / checkpoint / restore / unlock per GiB), and CUDA 13.4's custom storage
+(whether the driver has it; if so a round trip through storage, GB/s per GPU). It keeps the raw `--help`
 bytes, the stub's sha256, where `libcuda.so.1` resolves and
 `/proc/driver/nvidia/version`; the features cudahook uses come from that
 driver version and are compared with what `--help` advertises. Each call that the simulator has a
@@ -72,6 +73,7 @@ from tests.gpu.gpulib import (  # noqa: E402
     Rig,
     Workload,
     compute_apps,
+    custom_storage_probe,
     device_fds,
     find_cuda_checkpoint,
     gpu_rows,
@@ -654,6 +656,25 @@ class Recorder:
                     self.run([self.tool, "--action", action, "--pid", str(p)], 60)
                     state = LOCKED if action == "restore" else RUNNING
 
+    def custom_storage(self) -> None:
+        """CUDA 13.4+ custom storage: whether the driver has it, and if so one
+        small process (0.25 GiB) through storage and back, GB/s per GPU each
+        way, its memory checked after (tests/gpu/gpulib.custom_storage_probe)."""
+        if self.rig.sim:
+            self.rig.lab.set(cuda_version=13040)  # the dry run walks the supported path
+
+        def start() -> Workload:
+            wl = self.wl["storage"] = self.rig.spawn("storage", "memory", gib=0.25)
+            wl.wait_ready(max(10.0, min(180.0, self.left())))
+            self.roles["storage"] = wl.pids()[0]
+            return wl
+
+        with tempfile.TemporaryDirectory(prefix="cudahook-storage-") as d:
+            got = self.data["custom_storage"] = custom_storage_probe(
+                self.rig, start, Path(d) / "image", timeout=max(30.0, min(120.0, self.left())))
+        if got["supported"] and not got.get("intact"):
+            raise AssertionError(f"not intact after a custom-storage round trip: {got}")
+
     def end(self) -> None:
         """Every CUDA workload back to running, then its status; failures are the finding."""
         final: dict[str, Any] = {}
@@ -815,6 +836,17 @@ def render_markdown(data: dict[str, Any]) -> str:
     if meta["mode"] == "simulator":
         lines.append("\n(Simulator mode: each GiB above is 16 MiB of simulated device memory.)")
 
+    cs = data.get("custom_storage")
+    if cs:
+        lines += ["", "## Custom storage (CUDA 13.4+)", "",
+                  f"- driver {cs.get('driver')}, CUDA {cs.get('cuda_version')}, "
+                  f"`{cs.get('libcuda')}`: supported {cs.get('supported')} ({cs.get('why')})"]
+        for gpu, m in (cs.get("per_gpu") or {}).items():
+            lines.append(f"- {gpu}: {m['bytes']} bytes in {cs.get('chunks')} chunks; checkpoint "
+                         f"{m['checkpoint_s']} s ({m['checkpoint_gb_s']} GB/s), restore "
+                         f"{m['restore_s']} s ({m['restore_gb_s']} GB/s); states "
+                         f"{cs.get('state_after_checkpoint')} / {cs.get('state_after_restore')}; "
+                         f"intact after: {cs.get('intact')}")
     lines += ["", "## Workloads at the end", ""]
     for name, w in data.get("workloads_end", {}).items():
         st = w.get("status", {})
@@ -903,6 +935,7 @@ def main(argv: list[str]) -> int:
              {f"mem{max(sizes):g}"}, 30, True),
             ("persistence mode", rec.persistence, set(), 10, False),
             ("R590 jobs", rec.jobs, set(), 30, True),
+            ("custom storage (CUDA 13.4+)", rec.custom_storage, set(), 30, True),
         ):
             with rec.step(name, need_s=need_s):
                 if not needs <= ready:

@@ -38,6 +38,7 @@ from .gpulib import (
     Rig,
     Workload,
     compute_apps,
+    custom_storage_probe,
     device_fds,
     find_cuda_checkpoint,
     real_gpu_skip_reason,
@@ -283,6 +284,33 @@ def test_restore_onto_unknown_gpu_fails_then_plain_restore_works(
     lab.memory.wait_progress(before, steps=3)
     wait_checked_since(lab.memory, checks)
     assert_intact(lab.memory)
+
+
+def test_gpu_memory_straight_to_storage(lab: Lab, record: Callable[..., None],
+                                        tmp_path: Any) -> None:
+    """CUDA 13.4+ custom storage, if this node's driver has it: one small
+    CUDA process checkpointed into chunk files and restored from them
+    through the driver-API helper, GB/s each way recorded for its GPU, and
+    the process computes on with its memory intact. Skipped, with the
+    driver's answer, where the driver lacks it (the answer is recorded)."""
+    if SIM:
+        lab.rig.lab.set(cuda_version=13040)  # the simulated node as a CUDA 13.4 driver
+
+    def start() -> Workload:
+        wl = lab.rig.spawn("storage", "memory", gib=0.25)
+        wl.wait_ready(START_TIMEOUT)
+        return wl
+
+    got = custom_storage_probe(lab.rig, start, tmp_path / "storage")
+    record("custom-storage", **got)
+    if not got["supported"]:
+        pytest.skip(f"no custom storage on this node: {got['why']} "
+                    f"(driver {got['driver']}, CUDA {got['cuda_version']})")
+    assert (got["state_after_checkpoint"], got["state_after_restore"]) == (
+        CHECKPOINTED, "locked"), got
+    assert got["put_back"] == [] and got["intact"], got
+    ((_, m),) = got["per_gpu"].items()
+    assert m["bytes"] > 0 and m["checkpoint_gb_s"] and m["restore_gb_s"], m
 
 
 def test_everything_ends_running_and_intact(lab: Lab, record: Callable[..., None]) -> None:

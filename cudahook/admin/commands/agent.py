@@ -34,18 +34,14 @@ def run(args: argparse.Namespace) -> int:
 
     settings = config.load(args.config)
     if args.action == "status":
-        info = agent.status(settings)
+        from cudahook.admin.status import agent_text, agent_view
+
+        view = agent_view(settings, full=True)
         if getattr(args, "json", False):
-            print(json.dumps({"up": info is not None, **(info or {})}, indent=1))
-        elif info is None:
-            print("agent: not running")
+            print(json.dumps(view, indent=1))
         else:
-            print(escape_lines(
-                f"agent: running, pid {info.get('pid')}, driver {info.get('version')!s:.80}; "
-                f"{info.get('sessions')} sessions ({info.get('in_flight')} calls in flight), "
-                f"{info.get('idle_workers')} idle workers attached, "
-                f"{info.get('served')} sessions served"))
-        return Exit.OK if info is not None else Exit.FAILED
+            print(f"agent: {agent_text(view)}")
+        return Exit.OK if view["up"] else Exit.FAILED
     if args.action == "start":
         info = agent.status(settings, timeout=1.0)
         if info is not None:

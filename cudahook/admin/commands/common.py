@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from cudahook.platform.errors import UsageError, escape_lines
+from cudahook.platform.ids import PID_MAX_LIMIT
 
 if TYPE_CHECKING:
     from cudahook.platform.config import Settings
 
 # The kernel's PID range: pid_max is at most 4194304 (2^22).
-PID_MAX = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,15 @@ def no_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pid_arg(text: str) -> int:
-    """A PID argument: 1 to PID_MAX. PID 0 names no process (kill(0) means
+    """A PID argument: 1 to PID_MAX_LIMIT. PID 0 names no process (kill(0) means
     the caller's own process group), so it is refused as bad input (exit 2)
     before anything is looked at."""
     try:
         value = int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a PID: {text[:40]!r}") from None
-    if not 1 <= value <= PID_MAX:
-        raise argparse.ArgumentTypeError(f"not a PID: {value} (1 to {PID_MAX})")
+    if not 1 <= value <= PID_MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"not a PID: {value} (1 to {PID_MAX_LIMIT})")
     return value
 
 

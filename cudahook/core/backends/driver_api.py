@@ -48,6 +48,30 @@ MIN_MAJOR = 570  # cuCheckpointProcess* first shipped with R570 (CUDA 12.8)
 STORAGE_CHUNK = 16 << 20
 
 
+# The packages the helper's storage path imports (chunk digest, compression).
+STORAGE_PACKAGES = ("blake3", "zstandard")
+_libs: list[str] = []
+
+
+def storage_libs() -> str:
+    """Where this interpreter has the storage path's packages installed, for
+    the helper (which starts with the standard library alone and imports
+    them only on that path, from these directories if root's; see
+    driver_helper._extension): found without importing them, once."""
+    if not _libs:
+        import importlib.util
+
+        dirs = []
+        for name in STORAGE_PACKAGES:
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.origin:
+                where = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
+                if where not in dirs:
+                    dirs.append(where)
+        _libs.append(os.pathsep.join(dirs))
+    return _libs[0]
+
+
 def features_for(version: str) -> Features:
     """What the driver API can do on this driver release (nothing before R570)."""
     major = driver_major(version) or 0
@@ -235,7 +259,7 @@ class _Helper(_Channel):
         # Bound to the hook and named as its call (platform/tools.py): a
         # helper never outlives the hook that started it.
         self.proc = spawn(
-            [python, "-I", "-S", HELPER, library], stdin=subprocess.PIPE,
+            [python, "-I", "-S", HELPER, library, storage_libs()], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
         )
         assert self.proc.stdin is not None
@@ -447,14 +471,22 @@ class DriverAPI:
             raise ToolError(pid, action, None,
                             f"custom storage unavailable: {features.custom_storage_why}")
 
-    def checkpoint_to_storage(self, pid: int, directory: str, chunk: int = STORAGE_CHUNK) -> dict:
+    def checkpoint_to_storage(self, pid: int, directory: str, chunk: int = STORAGE_CHUNK,
+                              dedupe: bool | None = None) -> dict:
         """Checkpoint a locked process's GPU memory into `directory` (new; CUDA
         13.4+ custom storage) instead of its host memory: chunks, each with a
-        digest, fsynced before the driver releases the memory. The process
-        ends checkpointed; after a failure past the driver's checkpoint call
-        it stays checkpointing (the API has no abort)."""
+        digest, fsynced before the driver releases the memory; a chunk that
+        another process of the checkpoint stored already is linked to it
+        (`dedupe`, by default `gpu_storage_dedupe`), and with `gpu_storage_compression: zstd` one that shrinks
+        is stored compressed. The process ends checkpointed; after a failure
+        past the driver's checkpoint call it stays checkpointing (the API has
+        no abort)."""
         self._need_storage(pid, "checkpoint")
-        return self._call(pid, "storage-checkpoint", {"dir": directory, "chunk": chunk})  # type: ignore[return-value]
+        zstd = self.settings.gpu_storage_zstd_level \
+            if self.settings.gpu_storage_compression == "zstd" else 0
+        return self._call(pid, "storage-checkpoint", {  # type: ignore[return-value]
+            "dir": directory, "chunk": chunk, "zstd": zstd,
+            "dedupe": self.settings.gpu_storage_dedupe if dedupe is None else dedupe})
 
     def restore_from_storage(self, pid: int, directory: str,
                              device_map: dict[str, str] | None = None, *,

@@ -28,6 +28,7 @@ import threading
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
+    from typing import Any
 
 SYMBOLS = ("cuInit", "cuDriverGetVersion", "cuGetErrorName", "cuGetErrorString",
            "cuCheckpointProcessGetState", "cuCheckpointProcessGetRestoreThreadId",
@@ -161,7 +162,9 @@ class Driver:
             unlock = CUcheckpointUnlockArgs()
             _check(lib.cuCheckpointProcessUnlock(pid, ctypes.byref(unlock)))
         elif op == "storage-checkpoint":
-            return self.storage().checkpoint(pid, str(req["dir"]), int(req["chunk"]))
+            return self.storage().checkpoint(pid, str(req["dir"]), int(req["chunk"]),
+                                             _level(req.get("zstd", 0)),
+                                             bool(req.get("dedupe", False)))
         elif op == "storage-restore":
             self.storage().restore(pid, str(req["dir"]), req.get("pairs") or [],
                                    checked=req.get("checked") is True)
@@ -205,8 +208,14 @@ def _dotted(version: int) -> str:
 
 
 _storage_lock = threading.Lock()
-DIGEST = "sha256"  # hashlib, standard library: this helper imports nothing else
+# The chunk digests this helper reads. A new image gets blake3 (several
+# times sha256's speed, docs/performance.md) when the installed package can
+# be loaded (see _extension), else sha256; the manifest names which.
+DIGESTS = ("blake3", "sha256")
+HEX = frozenset("0123456789abcdef")
 MANIFEST = "manifest.json"
+RESERVE = ".reserve"  # core/manifest.py STORAGE_RESERVE, in the storage directory
+RESERVE_DIRECTORY = 1 << 16  # given back for a process directory and its manifest's blocks
 MANIFEST_MAX = 16 << 20
 CHUNK_MIN, CHUNK_MAX = 4096, 1 << 30
 MAX_RANGES = 64
@@ -214,6 +223,14 @@ MAX_RANGES = 64
 
 class Refused(Exception):
     """A custom-storage image that is not what its manifest says."""
+
+
+class Missing(Refused):
+    """A file of the image is not there."""
+
+
+class Mismatch(Refused):
+    """A chunk's content does not match its digest."""
 
 
 class Storage:
@@ -268,40 +285,60 @@ class Storage:
         _check(self.lib.cuMemHostAlloc(ctypes.byref(p), size, 0))
         return p
 
-    def checkpoint(self, pid: int, directory: str, chunk: int) -> dict:
+    def checkpoint(self, pid: int, directory: str, chunk: int, zstd: int = 0,
+                   dedupe: bool = False) -> dict:
         self._current()
-        os.mkdir(directory, 0o700)  # a new directory: never into someone else's
-        dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        reserve = _open_reserve(directory)
         try:
+            _give_back(reserve, RESERVE_DIRECTORY)
+            os.mkdir(directory, 0o700)  # a new directory: never into someone else's
+            return self._checkpoint(pid, directory, chunk, reserve, zstd, dedupe)
+        finally:
+            if reserve is not None:
+                os.close(reserve)
+
+    def _checkpoint(self, pid: int, directory: str, chunk: int, reserve: int | None,
+                    zstd: int, dedupe: bool) -> dict:
+        dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        out = _Out(dirfd, _new_digest(), zstd)
+        try:
+            if dedupe:
+                out.open_index(directory)
+            if zstd:  # loaded now: past the driver's call, a failure costs a put-back
+                _needs("zstandard", "compression")
             info = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
             args = CUcheckpointCheckpointArgs()
             args.customStorageInfo_out = ctypes.pointer(info)
             _check(self.lib.cuCheckpointProcessCheckpoint(pid, ctypes.byref(args)))
             ranges = [info.contents.perDeviceData[i] for i in range(info.contents.deviceCount)]
             try:
-                manifest = {"format": 1, "digest": DIGEST, "chunk": chunk, "ranges": [
-                    {"size": r.size, "chunks": self._copy_out(r, dirfd, i, chunk)}
-                    for i, r in enumerate(ranges)]}
+                manifest = {"format": 2, "digest": out.digest, "chunk": chunk, "ranges": [
+                    self._copy_out(r, out, i, chunk, reserve) for i, r in enumerate(ranges)]}
                 # Durable before the driver may release the memory: the chunks
-                # (fsynced once all are written, so the disk writes them back
-                # while the link copies), the manifest, the directory.
-                for i, r in enumerate(ranges):
-                    for k in range(-(-r.size // chunk)):
-                        _fsync(dirfd, _chunk_name(i, k))
-                _write(dirfd, MANIFEST, json.dumps(manifest).encode())
+                # (those not fsynced as they were written, fsynced once all
+                # are, so the disk writes them back while the link copies),
+                # the manifest, the directory.
+                for name in out.unsynced:
+                    _fsync(dirfd, name)
+                raw = json.dumps(manifest).encode()
+                _give_back(reserve, len(raw) + RESERVE_DIRECTORY)
+                _write(dirfd, MANIFEST, raw)
                 os.fsync(dirfd)
                 _check(self.lib.cuCheckpointOperationComplete(info.contents.handle))
-            except (CallFailed, OSError) as exc:
+            except (CallFailed, OSError, Refused) as exc:
                 # The process is CHECKPOINTING and the API has no abort: its
                 # memory is put back through host memory (see _put_back).
                 raise PutBack(f"{_what(self, exc)}; {self._put_back(pid, info.contents, ranges)}"
                               ) from exc
         except BaseException:
-            _remove_own(dirfd, directory)
+            _remove_own(dirfd, directory, out.index)
             raise
         finally:
             os.close(dirfd)
-        return {"ranges": len(ranges), "bytes": sum(r.size for r in ranges)}
+            if out.index is not None:
+                os.close(out.index)
+        return {"ranges": len(ranges), "bytes": sum(r.size for r in ranges),
+                "stored": out.stored, "linked": out.linked, "digest": out.digest}
 
     def _put_back(self, pid: int, info: CUcheckpointCustomStorageInfo,
                   ranges: list[CUcheckpointCustomStoragePerDeviceData]) -> str:
@@ -345,11 +382,12 @@ class Storage:
                 m.close()
         return "its GPU memory was put back: left locked"
 
-    def _copy_out(self, r: CUcheckpointCustomStoragePerDeviceData, dirfd: int, index: int,
-                  chunk: int) -> list[str]:
+    def _copy_out(self, r: CUcheckpointCustomStoragePerDeviceData, out: _Out, index: int,
+                  chunk: int, reserve: int | None = None) -> dict:
         lib, count = self.lib, -(-r.size // chunk)
         bufs = [self._pinned(chunk) for _ in range(2 if count > 1 else 1)]
         digests: list[str] = []
+        stored: list[int] = []
         try:
             def enqueue(k: int) -> None:
                 n = min(chunk, r.size - k * chunk)
@@ -363,13 +401,17 @@ class Storage:
                 if k + 1 < count:
                     enqueue(k + 1)  # into the other buffer, while this one is written
                 n = min(chunk, r.size - k * chunk)
-                data = memoryview((ctypes.c_char * n).from_address(bufs[k % len(bufs)].value))
-                digests.append(_digest(data).hexdigest())
-                _write(dirfd, _chunk_name(index, k), data, sync=False)
+                data = memoryview((ctypes.c_char * n).from_address(bufs[k % len(bufs)].value)
+                                  ).cast("B")
+                digest = _hash(out.digest, data)
+                digests.append(digest)
+                _give_back(reserve, n)  # at most n is written: dedupe and zstd only shrink it
+                stored.append(out.put(_chunk_name(index, k), data, digest))
         finally:
             for b in bufs:
                 lib.cuMemFreeHost(b)
-        return digests
+        # `zstd`: each chunk's size as stored compressed, 0 where stored raw.
+        return {"size": r.size, "chunks": digests, **({"zstd": stored} if any(stored) else {})}
 
     def restore(self, pid: int, directory: str, pairs: list, checked: bool = False) -> None:
         self._current()
@@ -379,7 +421,10 @@ class Storage:
             raise Refused(f"no custom-storage image at {directory}: {exc.strerror}") from exc
         try:
             manifest = _manifest(dirfd)
-            chunk = manifest["chunk"]
+            chunk, kind = manifest["chunk"], manifest["digest"]
+            _needs_digest(kind)
+            if any(rng.get("zstd") for rng in manifest["ranges"]):
+                _needs("zstandard", "an image of compressed chunks")
             # Every chunk verified before the process is touched: a bad image
             # leaves it checkpointed, exactly as it was. A caller that has just
             # verified them all (post-restore) spares this second read: a chunk
@@ -388,8 +433,8 @@ class Storage:
             for i, rng in enumerate(manifest["ranges"]):
                 for k, digest in enumerate(rng["chunks"]):
                     if not checked:
-                        _read_chunk(dirfd, i, k, _chunk_size(rng["size"], chunk, k), digest,
-                                    None)
+                        read_chunk(dirfd, _chunk_name(i, k), _chunk_size(rng["size"], chunk, k),
+                                   _zstd(rng, k), kind, digest, None)
             info = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
             args = CUcheckpointRestoreArgs()
             args.customStorageInfo_out = ctypes.pointer(info)
@@ -405,7 +450,7 @@ class Storage:
                     raise Refused(f"the driver mapped ranges of {sizes} bytes; the image holds "
                                   f"{[rng['size'] for rng in manifest['ranges']]}")
                 for i, (r, rng) in enumerate(zip(ranges, manifest["ranges"], strict=True)):
-                    self._copy_in(r, dirfd, i, chunk, rng["chunks"])
+                    self._copy_in(r, dirfd, i, chunk, kind, rng)
             except (Refused, CallFailed, OSError) as exc:
                 failure = exc
             _check(self.lib.cuCheckpointOperationComplete(info.contents.handle))
@@ -415,8 +460,8 @@ class Storage:
             os.close(dirfd)
 
     def _copy_in(self, r: CUcheckpointCustomStoragePerDeviceData, dirfd: int, index: int,
-                 chunk: int, digests: list[str]) -> None:
-        lib = self.lib
+                 chunk: int, kind: str, rng: dict) -> None:
+        lib, digests = self.lib, rng["chunks"]
         bufs = [self._pinned(chunk) for _ in range(2 if len(digests) > 1 else 1)]
         try:
             for k, digest in enumerate(digests):
@@ -424,8 +469,8 @@ class Storage:
                 buf = bufs[k % len(bufs)]
                 # Read while the previous chunk crosses the link: this buffer's
                 # last copy finished at the synchronisation before it.
-                _read_chunk(dirfd, index, k, n, digest,
-                            memoryview((ctypes.c_char * n).from_address(buf.value)).cast("B"))
+                read_chunk(dirfd, _chunk_name(index, k), n, _zstd(rng, k), kind, digest,
+                           memoryview((ctypes.c_char * n).from_address(buf.value)).cast("B"))
                 _check(lib.cuStreamSynchronize(r.stream))
                 _check(lib.cuMemcpyHtoDAsync_v2(r.devPtr + k * chunk, buf, n, r.stream))
             _check(lib.cuStreamSynchronize(r.stream))
@@ -446,23 +491,282 @@ def _what(storage: Storage, exc: BaseException) -> str:
     return str(exc)
 
 
-def _remove_own(dirfd: int, directory: str) -> None:
+def _remove_own(dirfd: int, directory: str, index: int | None = None) -> None:
     """Remove what a failed checkpoint wrote: the directory it created, and
-    the chunk files and manifest in it (nothing else is there to remove)."""
+    the chunk files and manifest in it (nothing else is there to remove).
+    A chunk file is a link; one another process of the checkpoint shares
+    keeps its data through that process's own link, so removing ours never
+    takes a chunk from anyone. Index entries left with no process's link are
+    dropped (see _Out)."""
+    import contextlib
+
     for name in os.listdir(dirfd):
         if name == MANIFEST or name.endswith(".chunk"):
             os.unlink(name, dir_fd=dirfd)
-    import contextlib
-
     with contextlib.suppress(OSError):  # something else appeared in it: its owner's
         os.rmdir(directory)
+    if index is not None:
+        prune_index(index)
 
 
-def _digest(data: object = b"") -> object:
-    """A chunk's digest (hashlib costs milliseconds to import: only on this path)."""
-    import hashlib
+# Dedupe: identical chunks of one checkpoint are stored once. Each process's
+# chunk files stay where they always were (<dir>/<nspid>/gpu<i>-<k>.chunk),
+# but a chunk already written by any process of this checkpoint becomes a
+# hard link to that file, found through an index of links by digest in the
+# storage directory. Links keep the layout, the reading code and the export
+# of every runtime (tar keeps hard links; a copy that does not just stores
+# them again) as they were, and a file's data lives as long as any process's
+# link does: removing one process's files never removes another's chunk.
+INDEX = "by-digest"
+ZSTD = ".zst"  # an index entry of a chunk stored compressed
+# Chunks being written now, by (index device, inode, digest): set when done.
+_claims: dict[tuple[int, int, str], threading.Event] = {}
+_claims_lock = threading.Lock()
 
-    return hashlib.new(DIGEST, data)  # type: ignore[arg-type]
+
+class _Out:
+    """Where one process's chunks go: its directory, the digest, the zstd
+    level (0: off) and the checkpoint's index (None: no dedupe)."""
+
+    def __init__(self, dirfd: int, digest: str, zstd: int):
+        self.dirfd, self.digest, self.zstd = dirfd, digest, zstd
+        self.index: int | None = None
+        self.index_id = (0, 0)  # the index's device and inode: whose claims
+        self.stored = self.linked = 0  # bytes written, chunks linked
+        # Chunks written without an fsync, for the checkpoint to fsync in
+        # one pass once all are written (see Storage._checkpoint).
+        self.unsynced: list[str] = []
+
+    def open_index(self, directory: str) -> None:
+        self.index = _index(directory)
+        st = os.fstat(self.index)
+        self.index_id = (st.st_dev, st.st_ino)
+
+    def put(self, name: str, data: memoryview, digest: str) -> int:
+        """Store one chunk as `name`: a link to an identical one stored
+        already, or a new file, compressed when that makes it smaller, then
+        published in the index. Its size as stored when compressed, else 0."""
+        if self.index is None:
+            return self._write(name, data, digest)
+        key = (*self.index_id, digest)
+        while True:
+            size = self._link(name, digest)
+            if size is not None:
+                self.linked += 1
+                return size
+            # Replicas are checkpointed in parallel and reach the same chunk
+            # together: one thread writes it, the others wait and link it.
+            with _claims_lock:
+                other = _claims.get(key)
+                if other is None:
+                    mine = _claims[key] = threading.Event()
+                    break
+            other.wait()  # then link it, or (its writer failed) write it
+        try:
+            return self._write(name, data, digest)
+        finally:
+            with _claims_lock:
+                del _claims[key]
+            mine.set()
+
+    def _write(self, name: str, data: memoryview, digest: str) -> int:
+        frame = _compress(self.zstd, data) if self.zstd else None
+        # A chunk published in the index must be complete on disk first (see
+        # _link); one of this process's own is fsynced with the others, later.
+        # A raw chunk goes from the pinned buffer with O_DIRECT where it can.
+        sync = self.index is not None
+        _write(self.dirfd, name, data if frame is None else frame, sync=sync)
+        if not sync:
+            self.unsynced.append(name)
+        self.stored += len(data) if frame is None else len(frame)
+        if self.index is not None:
+            import contextlib
+
+            # First come, first published; an identical file is as good.
+            with contextlib.suppress(FileExistsError):
+                os.link(name, digest + ("" if frame is None else ZSTD), src_dir_fd=self.dirfd,
+                        dst_dir_fd=self.index, follow_symlinks=False)
+        return 0 if frame is None else len(frame)
+
+    def _link(self, name: str, digest: str) -> int | None:
+        """Link `name` to the index's file of this digest; its compressed size
+        (0: raw), or None when the index has none. Only complete files are in
+        the index: each is fsynced before it is published."""
+        for suffix in (ZSTD, ""):
+            try:
+                os.link(digest + suffix, name, src_dir_fd=self.index, dst_dir_fd=self.dirfd,
+                        follow_symlinks=False)
+            except FileNotFoundError:  # none yet, or pruned just now: write it
+                continue
+            st = os.stat(name, dir_fd=self.dirfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):  # never ours: write our own
+                os.unlink(name, dir_fd=self.dirfd)
+                return None
+            return st.st_size if suffix else 0
+        return None
+
+
+def _index(directory: str) -> int:
+    """The checkpoint's index, next to the process directories: made by the
+    first process that needs it, opened without following a link."""
+    import contextlib
+
+    path = os.path.join(os.path.dirname(directory), INDEX)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def prune_index(index: int) -> None:
+    """Drop the index entries no process's file links to any more. Racing a
+    process that links one just now is harmless: its link keeps the data,
+    and one that finds the entry gone writes the chunk itself."""
+    for name in os.listdir(index):
+        try:
+            if os.stat(name, dir_fd=index, follow_symlinks=False).st_nlink <= 1:
+                os.unlink(name, dir_fd=index)
+        except OSError:
+            continue
+
+
+# Where the installed blake3 and zstandard packages live, as the parent
+# found them (the helper's second argument, os.pathsep-separated).
+LIBS: list[str] = []
+_import_lock = threading.Lock()
+
+
+def _extension(name: str) -> Any:
+    """blake3 or zstandard, imported at first use: only the storage path
+    gets here, never a hook's fast path. Started with -I -S, this helper sees
+    the standard library alone; the parent names the directories the
+    packages are installed in, and each is used only if it and every
+    directory above it belong to root (or to this user) and nobody else may
+    write there: no container's or image's path ever gets onto sys.path."""
+    import importlib
+
+    with _import_lock:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            if not LIBS:
+                raise
+        for path in LIBS:
+            if path not in sys.path and _trusted_dir(path):
+                sys.path.append(path)  # after the standard library: never shadows it
+        return importlib.import_module(name)
+
+
+def _trusted_dir(path: str) -> bool:
+    """Whether only root (or this user) can change what `path` holds: it is
+    theirs and writable by no one else, and so is every directory above it
+    (one above may be sticky, as /tmp is: others cannot rename our entries)."""
+    if not os.path.isabs(path):
+        return False
+    leaf = True
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        shared = st.st_mode & 0o022 and (leaf or not st.st_mode & stat.S_ISVTX)
+        if st.st_uid not in (0, os.geteuid()) or not stat.S_ISDIR(st.st_mode) or shared:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path, leaf = parent, False
+
+
+def _needs(name: str, what: str) -> None:
+    try:
+        _extension(name)
+    except ImportError as exc:
+        raise Refused(f"{what} needs the {name} package, which this helper cannot load "
+                      f"({exc})") from exc
+
+
+def _new_digest() -> str:
+    """The digest of a new image: blake3 when it loads, else sha256."""
+    try:
+        _extension("blake3")
+    except ImportError:
+        return "sha256"
+    return "blake3"
+
+
+def _hash(kind: str, data: memoryview) -> str:
+    """A chunk's digest, in hex (hashlib costs milliseconds to import: only
+    on this path). blake3 hashes a chunk on several threads where there are
+    cores for it."""
+    if kind == "blake3":
+        b3 = _extension("blake3")
+        return b3.blake3(data, max_threads=b3.blake3.AUTO).hexdigest()  # type: ignore[no-any-return]
+    if kind == "sha256":
+        import hashlib
+
+        return hashlib.sha256(data).hexdigest()
+    raise Refused(f"chunk digest {kind!r} is not one this version reads")
+
+
+def _needs_digest(kind: str) -> None:
+    if kind == "blake3":
+        _needs("blake3", "an image of blake3 digests")
+
+
+def _level(value: object) -> int:
+    """A zstd level from a request: 0 (off) or 1..19."""
+    if type(value) is not int or not 0 <= value <= ZSTD_MAX_LEVEL:
+        raise ValueError(f"zstd level {value!r}: not 0 (off) to {ZSTD_MAX_LEVEL}")
+    return value
+
+
+ZSTD_MAX_LEVEL = 19
+
+
+def _compress(level: int, data: memoryview) -> bytes | None:
+    """A chunk as one zstd frame that declares its size, or None when that
+    is not smaller than the chunk: such a chunk is stored raw."""
+    zstd = _extension("zstandard")
+    try:
+        # Random-looking data (most of a model's weights can be) costs a whole
+        # compression for nothing: a fast look at a sample first.
+        if len(data) > 4 * ZSTD_PROBE:
+            probe = zstd.ZstdCompressor(level=1).compress(data[:ZSTD_PROBE])
+            if len(probe) > ZSTD_PROBE * 0.97:
+                return None
+        frame = zstd.ZstdCompressor(level=level, write_content_size=True).compress(data)
+    except zstd.ZstdError as exc:
+        raise Refused(f"zstd: {exc}") from exc
+    return frame if len(frame) < len(data) else None
+
+
+ZSTD_PROBE = 128 << 10
+
+
+def _decompress(frame: memoryview, into: memoryview) -> None:
+    """Fill `into` from one zstd frame, never producing more than it holds:
+    a frame that makes more (a bomb), less, or is not zstd is refused."""
+    zstd = _extension("zstandard")
+    n, done = len(into), 0
+    try:
+        reader = zstd.ZstdDecompressor().stream_reader(frame, read_across_frames=False)
+        while done < n:
+            got = reader.readinto(into[done:])
+            if not got:
+                break
+            done += got
+        more = reader.read(1)
+    except zstd.ZstdError as exc:  # a damaged chunk, as a flipped bit in a raw one is
+        raise Mismatch(f"not a zstd frame of {n} bytes ({exc})") from exc
+    if done != n or more:
+        raise Mismatch(f"its zstd frame does not hold {n} bytes "
+                       f"({'more' if more else done})")
+
+
+def _zstd(rng: dict, k: int) -> int:
+    """Chunk k's size as stored compressed, or 0: stored raw."""
+    sizes = rng.get("zstd")
+    return sizes[k] if sizes else 0
 
 
 def _chunk_name(index: int, k: int) -> str:
@@ -471,6 +775,34 @@ def _chunk_name(index: int, k: int) -> str:
 
 def _chunk_size(size: int, chunk: int, k: int) -> int:
     return min(chunk, size - k * chunk)
+
+
+def _open_reserve(directory: str) -> int | None:
+    """Pre-dump's preallocation of the GPU memory's space, beside the process
+    directories (core/manifest.py STORAGE_RESERVE), or None without one."""
+    try:
+        fd = os.open(os.path.join(os.path.dirname(directory), RESERVE),
+                     os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _give_back(reserve: int | None, n: int) -> None:
+    """Shrink the reservation by `n` bytes just before writing as many: the
+    space stays held for the copy-out until it is written, so a disk filled
+    by someone else meanwhile cannot fail it. Processes copied out in
+    parallel share the file: one shrink at a time."""
+    if reserve is None:
+        return
+    fcntl.flock(reserve, fcntl.LOCK_EX)
+    try:
+        os.ftruncate(reserve, max(0, os.fstat(reserve).st_size - n))
+    finally:
+        fcntl.flock(reserve, fcntl.LOCK_UN)
 
 
 # O_DIRECT moves a chunk from the pinned buffer to the disk without passing
@@ -534,6 +866,8 @@ def _open_regular(dirfd: int, name: str, size: int | None, cap: int) -> int:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      dir_fd=dirfd)
+    except FileNotFoundError as exc:
+        raise Missing(f"{name}: {exc.strerror}") from exc
     except OSError as exc:
         raise Refused(f"{name}: {exc.strerror}") from exc
     st = os.fstat(fd)
@@ -545,30 +879,51 @@ def _open_regular(dirfd: int, name: str, size: int | None, cap: int) -> int:
     return fd
 
 
-def _read_chunk(dirfd: int, index: int, k: int, size: int, digest: str,
-                into: memoryview | None) -> None:
-    """Read one chunk (into `into`, or just through) and check its digest."""
-    name = _chunk_name(index, k)
-    fd = _open_regular(dirfd, name, size, size)
+def read_chunk(dirfd: int, name: str, size: int, zstd: int, kind: str, digest: str,
+               into: memoryview | None) -> None:
+    """Read one chunk (into `into`, or a buffer of its own), decompressing
+    it when `zstd` (its stored size) says so, and check the digest of its
+    raw bytes. The file is the image's: no link followed, regular, exactly
+    its stored size."""
+    fd = _open_regular(dirfd, name, zstd or size, zstd or size)
+    out = into if into is not None else memoryview(bytearray(size))
     try:
-        h = _digest()
-        buf = into if into is not None else memoryview(bytearray(min(size, 1 << 20)))
+        raw = out if not zstd else memoryview(bytearray(zstd))
         done = 0
-        while done < size:
-            part = buf[done:] if into is not None else buf[:min(len(buf), size - done)]
-            got = os.readv(fd, [part])
+        while done < len(raw):
+            got = os.readv(fd, [raw[done:]])
             if got <= 0:
-                raise Refused(f"{name}: shorter than {size} bytes")
-            h.update(part[:got])
+                raise Refused(f"{name}: shorter than {len(raw)} bytes")
             done += got
     finally:
         os.close(fd)
-    if h.hexdigest() != digest:
-        raise Refused(f"{name}: content does not match its digest in the manifest")
+    _check_raw(name, raw, out, zstd, kind, digest)
+
+
+def check_stored(name: str, stored: memoryview, size: int, zstd: int, kind: str,
+                 digest: str) -> None:
+    """A chunk's bytes as stored (`zstd`: its compressed size, else raw),
+    read by the caller, checked as `read_chunk` checks them."""
+    if len(stored) != (zstd or size):
+        raise Mismatch(f"{name}: {len(stored)} bytes, not {zstd or size}")
+    _check_raw(name, stored, memoryview(bytearray(size)) if zstd else stored, zstd, kind,
+               digest)
+
+
+def _check_raw(name: str, raw: memoryview, out: memoryview, zstd: int, kind: str,
+               digest: str) -> None:
+    if zstd:
+        try:
+            _decompress(raw, out)
+        except Refused as exc:
+            raise type(exc)(f"{name}: {exc}") from exc
+    if _hash(kind, out) != digest:
+        raise Mismatch(f"{name}: content does not match its digest in the manifest")
 
 
 def _manifest(dirfd: int) -> dict:
-    """The image's manifest, checked field by field."""
+    """The image's manifest, checked field by field. Format 1: sha256, every
+    chunk raw; format 2 names its digest and may store chunks compressed."""
     fd = _open_regular(dirfd, MANIFEST, None, MANIFEST_MAX)
     try:
         raw = os.read(fd, MANIFEST_MAX + 1)
@@ -576,20 +931,39 @@ def _manifest(dirfd: int) -> dict:
         os.close(fd)
     try:
         m = json.loads(raw)
-        ok = (isinstance(m, dict) and m.get("format") == 1 and m.get("digest") == DIGEST
-              and type(m.get("chunk")) is int and CHUNK_MIN <= m["chunk"] <= CHUNK_MAX
-              and isinstance(m.get("ranges"), list) and len(m["ranges"]) <= MAX_RANGES)
-        for rng in m["ranges"] if ok else ():
-            ok = ok and isinstance(rng, dict) and type(rng.get("size")) is int \
-                and 0 <= rng["size"] < 1 << 48 and isinstance(rng.get("chunks"), list) \
-                and len(rng["chunks"]) == -(-rng["size"] // m["chunk"]) \
-                and all(isinstance(d, str) and len(d) == 64
-                        and all(c in "0123456789abcdef" for c in d) for d in rng["chunks"])
+        ok = manifest_ok(m)
     except (ValueError, RecursionError):
         ok = False
     if not ok:
         raise Refused(f"{MANIFEST}: not a custom-storage manifest this version reads")
     return m
+
+
+def manifest_ok(m: object) -> bool:
+    """Whether a parsed per-process manifest is one this version reads."""
+    ok = (isinstance(m, dict) and m.get("format") in (1, 2) and m.get("digest") in DIGESTS
+          and (m["format"] == 2 or m["digest"] == "sha256")
+          and type(m.get("chunk")) is int and CHUNK_MIN <= m["chunk"] <= CHUNK_MAX
+          and isinstance(m.get("ranges"), list) and len(m["ranges"]) <= MAX_RANGES)
+    for rng in m["ranges"] if ok else ():  # type: ignore[index]
+        ok = ok and isinstance(rng, dict) and type(rng.get("size")) is int \
+            and 0 <= rng["size"] < 1 << 48 and isinstance(rng.get("chunks"), list) \
+            and len(rng["chunks"]) == -(-rng["size"] // m["chunk"]) \
+            and all(isinstance(d, str) and len(d) == 64 and HEX.issuperset(d)
+                    for d in rng["chunks"]) \
+            and _sizes_ok(rng, m["chunk"], m["format"])  # type: ignore[index]
+    return ok
+
+
+def _sizes_ok(rng: dict, chunk: int, fmt: int) -> bool:
+    """A range's compressed sizes: absent, or one per chunk, each 0 (raw) or
+    smaller than the chunk it holds (a chunk that does not shrink is raw)."""
+    sizes = rng.get("zstd")
+    if sizes is None:
+        return True
+    return fmt == 2 and isinstance(sizes, list) and len(sizes) == len(rng["chunks"]) \
+        and all(type(z) is int and 0 <= z < _chunk_size(rng["size"], chunk, k)
+                for k, z in enumerate(sizes))
 
 
 def _gpu_pairs(args: CUcheckpointRestoreArgs, pairs: list) -> object:
@@ -689,6 +1063,7 @@ def attach(path: str) -> tuple[Driver | None, dict]:
 
 
 def main(argv: list[str]) -> int:
+    LIBS[:] = [p for p in argv[1].split(os.pathsep) if p] if len(argv) > 1 else []
     say = replier(sys.stdout)
     driver, hello = attach(argv[0])
     say(hello)
