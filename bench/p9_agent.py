@@ -21,8 +21,9 @@ against the limit with no attach at all:
 
 The helper's cycle is measured beside it, for reference, and the agent's
 with an untimed pause before each phase (`agent-settled`: where a real
-cycle has CRIU's dump and restore, and the helper's cycle its attach) -
-the simulated GPU service settles the previous phase's memory then.
+cycle has CRIU's dump and restore, and the helper's cycle its attach).
+The simulated GPU service unmaps a phase's released memory off its lock,
+so the back-to-back cycle need not wait for it: the two should agree.
 """
 
 from __future__ import annotations
@@ -200,8 +201,8 @@ def link_limit(args, res: Result, tmp) -> None:  # type: ignore[no-untyped-def]
               "p7-limit-no-attach", P7_TARGET, headline=False)
     res.notes.append(
         f"agent-settled: an untimed pause of {args.p7_settle:g}s before each phase, where a real "
-        "cycle has CRIU's dump and restore (and the helper variant its attach): the simulated "
-        "GPU service settles the previous phase's memory then")
+        "cycle has CRIU's dump and restore (and the helper variant its attach); the simulated "
+        "GPU service unmaps the previous phase's memory off its lock, so the two should agree")
     if not args.no_helper:
         res.ratio("P7 cycle helper/no-attach limit", "p7-cycle-helper", "p7-limit-no-attach",
                   None, headline=False)

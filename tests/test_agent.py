@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from cudahook.core import agent
 from cudahook.core.backends import make_backend
 from cudahook.core.backends.driver_api import DriverAPI
@@ -576,3 +578,39 @@ def test_the_agent_serves_the_storage_path_with_blake3_dedupe_and_zstd(make_node
     for i in range(2):
         st = node.lab.wait_counter(f"w0.{i}", node.lab.status(f"w0.{i}")["counter"] + 5)
         assert st["intact"] and st["errors"] == [], st
+
+
+def test_the_agent_passes_a_checked_restore_on_to_its_worker(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A restore post-restore has just verified (`checked`) reaches the
+    agent's worker as it reaches a per-phase helper: the first read is
+    spared, a chunk changed since is refused on its way in, and the process
+    is left locked (an unchecked restore refuses it untouched, checkpointed)."""
+    from cudahook.platform.errors import ToolError
+
+    node = make_node(driver=590)
+    node.lab.set(cuda_version=13040)
+    node.spawn("w", mib=40)  # three 16 MiB chunks
+    pid = node.lab.wait_counter("w", 2)["pid"]
+    settings = node.lab.settings(backend="driver-api")
+    root = tmp_path / "cudahook-gpu"
+    root.mkdir()
+    storage = {pid: str(root / str(pid))}
+    with running_agent(settings):
+        host = Host()
+        backend = make_backend(settings, host)
+        try:
+            assert Engine(backend, settings, host).checkpoint([pid], storage=storage).ok
+        finally:
+            backend.close()
+        last = sorted((root / str(pid)).glob("*.chunk"))[-1]
+        data = bytearray(last.read_bytes())
+        data[3] ^= 0x01
+        last.write_bytes(bytes(data))
+        backend = make_backend(settings, host)
+        try:
+            with pytest.raises(ToolError, match="content does not match"):
+                backend.restore_from_storage(pid, storage[pid], checked=True)
+            assert backend.get_state(pid) == "locked"
+            assert (backend.agent_sessions, backend.attaches) == (1, 0)
+        finally:
+            backend.close()

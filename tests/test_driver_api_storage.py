@@ -5,6 +5,8 @@ GPU-memory path a container gets under `gpu_memory`, and why."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -182,6 +184,68 @@ def test_a_flipped_bit_in_a_chunk_is_refused_and_the_workload_stays_checkpointed
         api.close()
     st = healthy_after_restore(node, "w")
     assert st["intact"] and not st["errors"]
+
+
+def test_a_checked_restore_skips_the_first_read_but_refuses_a_chunk_bad_on_its_way_in(
+        make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`checked` (post-restore has just verified every chunk) spares the
+    read before the restore, never the check of each chunk as it goes in:
+    a chunk changed since is refused there, and the process, already
+    touched, is left locked - never unlocked, never running."""
+    import time
+
+    from cudahook.platform.errors import ToolError
+
+    node = storage_node(make_node)
+    pid, image, api = checkpointed_to_storage(node, tmp_path)
+    try:
+        chunk = image / "gpu0-000004.chunk"  # the last: every other one goes in first
+        data = bytearray(chunk.read_bytes())
+        data[3] ^= 0x01
+        chunk.write_bytes(bytes(data))
+        counter = node.lab.status("w")["counter"]
+        with pytest.raises(ToolError, match=r"gpu0-000004\.chunk: content does not match"):
+            api.restore_from_storage(pid, str(image), checked=True)
+        # Touched (the unchecked restore would have refused it untouched,
+        # checkpointed: see above), and held.
+        assert state_of(node, pid) == "locked"
+        time.sleep(0.3)
+        assert node.lab.status("w")["counter"] == counter
+    finally:
+        api.close()
+
+
+def test_chunks_are_written_whole_with_o_direct_or_through_the_cache(tmp_path) -> None:
+    """A chunk goes to the disk with O_DIRECT when its buffer is aligned and
+    the filesystem takes it; tmpfs refuses O_DIRECT, and an unaligned tail
+    cannot use it: both are written through the page cache, whole."""
+    import mmap
+    import os
+
+    from cudahook.core.backends import driver_helper as dh
+
+    shm = Path("/dev/shm")
+    places = [tmp_path] + ([Path(tempfile.mkdtemp(dir=shm))] if shm.is_dir() else [])
+    buf = mmap.mmap(-1, 3 * dh.DIRECT_ALIGN)
+    buf.write(os.urandom(len(buf)))
+    aligned = memoryview(buf)
+    assert dh._aligned(aligned) and not dh._aligned(aligned[1:])
+    try:
+        for place in places:
+            dirfd = os.open(place, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                dh._write(dirfd, "whole.chunk", aligned, sync=False)
+                dh._write(dirfd, "tail.chunk", aligned[:dh.DIRECT_ALIGN + 5])
+                dh._fsync(dirfd, "whole.chunk")
+            finally:
+                os.close(dirfd)
+            assert (place / "whole.chunk").read_bytes() == bytes(buf)
+            assert (place / "tail.chunk").read_bytes() == bytes(buf[:dh.DIRECT_ALIGN + 5])
+    finally:
+        aligned.release()
+        buf.close()
+        for place in places[1:]:
+            shutil.rmtree(place, ignore_errors=True)
 
 
 @pytest.mark.parametrize("case", ["symlink", "fifo", "short", "manifest"])

@@ -176,6 +176,38 @@ def test_cu_get_proc_address_gives_operation_complete_from_cuda_13_4_only(make_n
     assert probe(new) == ["13000 0 2 False", "13040 0 0 True"]
 
 
+def test_the_service_maps_device_memory_in_place_and_gives_it_back_whole() -> None:
+    """The GPU service's range of a custom-storage checkpoint is the
+    process's device memory itself, not a copy (a change shows through);
+    a cancelled one leaves each allocation its own size; a restore's range
+    becomes the allocations, byte for byte."""
+    from cudahook.sim.gpu import Client, GpuService
+
+    svc = GpuService({"driver_version": "590.1", "gpus": [{"uuid": "GPU-a", "memory_mib": 64}]})
+    owner, other = Client(os.getpid()), Client(os.getpid())
+    for c in (owner, other):
+        svc.handle(c, {"op": "hello", "uuid": "GPU-a"}, b"")
+    data = svc.handle(owner, {"op": "alloc", "size": 1 << 20, "seed": 7}, b"")[0]["handle"]
+    counter = svc.handle(owner, {"op": "alloc", "size": 8}, b"")[0]["handle"]
+    out = svc.handle(owner, {"op": "map_out", "handles": [data, counter]}, b"")[0]
+    assert out["sizes"] == [1 << 20, 8]
+    fd = svc.mappings[out["token"]].fd
+    assert os.fstat(fd).st_size == (1 << 20) + 8
+    owner.buffers[data][:4] = b"abcd"
+    owner.buffers[counter][:4] = b"wxyz"
+    assert os.pread(fd, 4, 0) == b"abcd"  # in place
+    assert os.pread(fd, 4, 1 << 20) == b"\0" * 4  # the small ones gathered at the map
+    svc.handle(owner, {"op": "unmap", "token": out["token"]}, b"")
+    assert os.fstat(owner.fds[data]).st_size == 1 << 20
+    image = bytes(owner.buffers[data]) + bytes(owner.buffers[counter])
+    back = svc.handle(other, {"op": "map_in", "sizes": [1 << 20, 8]}, b"")[0]
+    os.pwrite(svc.mappings[back["token"]].fd, image, 0)
+    handles = svc.handle(other, {"op": "adopt", "token": back["token"]}, b"")[0]["handles"]
+    assert [bytes(other.buffers[h]) for h in handles] == [image[:1 << 20], image[1 << 20:]]
+    assert os.fstat(other.fds[handles[0]]).st_size == 1 << 20
+    assert not svc.mappings
+
+
 def test_the_gpu_kits_storage_probe_on_the_simulator(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """tests/gpu's custom-storage probe, its logic run on the simulator so
     that one run on a real GPU settles the question: before CUDA 13.4 it

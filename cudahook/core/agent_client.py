@@ -30,9 +30,10 @@ EXIT_ANOTHER_AGENT = 3
 # The calls a worker serves, and the fields of a call passed on to it.
 OPS = ("get-state", "get-restore-tid", "lock", "checkpoint", "restore", "unlock",
        "storage-checkpoint", "storage-restore")
-# A storage call's directory, chunk size, zstd level and dedupe switch go
-# through as the helper checks them (driver_helper.Driver.call).
-FIELDS = ("op", "pid", "timeout_ms", "pairs", "dir", "chunk", "zstd", "dedupe")
+# A storage call's directory, chunk size, zstd level, dedupe switch and a
+# restore's `checked` (its chunks just verified by the caller) go through as
+# the helper checks them (driver_helper.Driver.call).
+FIELDS = ("op", "pid", "timeout_ms", "pairs", "dir", "chunk", "zstd", "dedupe", "checked")
 # Past a call's deadline the agent answers "lost" first; the client's own
 # deadline comes this much later (it only fires for an agent that hangs).
 CLIENT_GRACE_S = 1.0

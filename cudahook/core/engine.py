@@ -131,6 +131,10 @@ class Engine:
         # storage): a rollback must bring it back from there, since a plain
         # restore has nothing in the process's host memory to restore.
         self.storage: dict[int, str] = {}
+        # The PIDs whose storage the caller verified chunk by chunk just
+        # before this restore (post-restore): the helper skips its own
+        # verification before the restore, never the one on the way in.
+        self.storage_checked: set[int] = set()
 
     def end_phase(self) -> None:
         close = getattr(self.backend, "close", None)
@@ -325,7 +329,8 @@ class Engine:
         if where is None:
             self.backend.restore(pid, *device_map)
         else:
-            self.backend.restore_from_storage(pid, where, *device_map)  # type: ignore[attr-defined]
+            self.backend.restore_from_storage(  # type: ignore[attr-defined]
+                pid, where, *device_map, checked=pid in self.storage_checked)
 
     def _step(self, tl: Timeline, pid: int, name: str, call: Callable[[int], None]) -> None:
         with tl.step(pid, name):
@@ -415,11 +420,15 @@ class Engine:
         *,
         unlock: bool = True,
         storage: dict[int, str] | None = None,
+        storage_checked: bool = False,
     ) -> PhaseResult:
         """Restore all (with the device map), then unlock all and verify each
         one `running`. `storage`: pid -> the directory its GPU memory is in
-        (custom storage); the others are restored from host memory."""
+        (custom storage); the others are restored from host memory.
+        `storage_checked`: the caller has just verified every chunk of it."""
         self.storage.update(storage or {})
+        if storage_checked:
+            self.storage_checked.update(storage or {})
         pids = sorted({_pid(p) for p in procs})
         tl = Timeline()
         res = PhaseResult("restore", pids, tl, device_map=device_map or None)

@@ -277,6 +277,8 @@ def digest(image_dir: Path) -> str:
 # Hashing GPU memory in storage gets this much more time per byte (a slow
 # disk still reads 64 MiB/s), on top of HASH_TIMEOUT_S.
 STORAGE_HASH_BYTES_PER_S = 64 << 20
+# Files hashed at once by verify_files (at most one per CPU).
+HASH_WORKERS = 8
 # `quick`: besides each process's manifest, its first and last chunk and
 # this many more, picked at random, are verified.
 QUICK_SAMPLE = 4
@@ -332,8 +334,10 @@ def verify_files(image_dir: Path, m: Manifest, quick: bool = False) -> list[tupl
     own files, and every chunk of GPU memory in storage (`quick`: a sample
     of them). A manifest written before checksums were recorded names
     none: nothing to verify."""
+    import os
     import time
 
+    from cudahook.core.fanout import Raised, fan_out
     from cudahook.platform import safeio
 
     out = _storage_dirs(image_dir, m)
@@ -346,28 +350,32 @@ def verify_files(image_dir: Path, m: Manifest, quick: bool = False) -> list[tupl
     # gigabytes of GPU memory.
     budget = HASH_TIMEOUT_S + sum(f.size for f in stored) / STORAGE_HASH_BYTES_PER_S
     deadline = time.monotonic() + budget
-    for f in wanted + stored:
+
+    def problem(f: StoredFile) -> str | None:
         name, size, sha256 = f.name, f.size, f.digest
         left = deadline - time.monotonic()
         if left <= 0:
-            out.append((name, f"not verified within {budget:g}s"))
-            continue
+            return f"not verified within {budget:g}s"
         if f.zstd or f.kind != "sha256":
-            problem = _verify_chunk(image_dir, f, left)
-            if problem:
-                out.append((name, problem))
-            continue
+            return _verify_chunk(image_dir, f, left)
         try:
             got, got_size = safeio.sha256_file(image_dir / name, MAX_FILE_BYTES, left)
         except FileNotFoundError:
-            out.append((name, "missing"))
-            continue
+            return "missing"
         except (OSError, safeio.FileRefused) as exc:
             why = exc.strerror if isinstance(exc, OSError) else str(exc)
-            out.append((name, f"unreadable ({why})"))
-            continue
-        if got != sha256 or got_size != size:
-            out.append((name, "checksum"))
+            return f"unreadable ({why})"
+        return "checksum" if got != sha256 or got_size != size else None
+
+    # Side by side: hashlib and the reads let go of the GIL, and gigabytes
+    # of chunks would otherwise keep one core busy while the others wait.
+    items = wanted + stored
+    found = fan_out(problem, items, min(HASH_WORKERS, os.cpu_count() or 1))
+    for f, why in zip(items, found, strict=True):
+        if isinstance(why, Raised):
+            raise why.exc
+        if why is not None:
+            out.append((f.name, why))
     return out
 
 

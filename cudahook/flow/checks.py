@@ -704,12 +704,7 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
     if key and (cached := _cache_get(ctx, key)) is not None:
         cached.manifest = m
         return cached
-    v.checked.append("integrity")
-    for name, problem in manifest.verify_files(image_dir, m, quick):
-        if problem == "checksum":
-            v.add("IMAGE_CHECKSUM", f"{name}: its digest or size differs from the manifest's")
-        else:
-            v.add("IMAGE_FILE_MISSING", f"{name}: {problem}")
+    storage = _integrity(ctx, v, image_dir, m, quick)
     if m.vmm and not vmm.has_state(image_dir):
         v.add("IMAGE_FILE_MISSING", f"the checkpoint took the CUDA VMM interposer's state, but "
               f"the image has no regular {vmm.STATE_FILE}")
@@ -724,7 +719,7 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
         if not os.access(ctx.settings.tool("vmm_coordinator"), os.X_OK):
             v.add("VMM_COORDINATOR_MISSING",
                   f"the image needs it: not executable: {ctx.settings.tool('vmm_coordinator')}")
-    _custom_storage(ctx, v, m)
+    _custom_storage(v, m, storage)
     if not v.problems:
         _restore_persistence(ctx, v, v.facts.get("device_map"), m)
     if key and v.problems and all(p.reason.cacheable for p in v.problems):
@@ -732,22 +727,73 @@ def restore_checks(ctx: Context, image_dir: Path, record: dict[str, Any] | None,
     return v
 
 
-def _custom_storage(ctx: Context, v: Verdict, m: Manifest) -> None:
+def _integrity(ctx: Context, v: Verdict, image_dir: Path, m: Manifest,
+               quick: bool) -> tuple[bool, str] | None:
+    """Every file the manifest names, checked; for an image with its GPU
+    memory in storage, the driver asked meanwhile whether it has custom
+    storage (its attach overlaps the hashing): the answer, or None."""
+    asking = _ask_custom_storage(ctx, m)
+    v.checked.append("integrity")
+    try:
+        found = manifest.verify_files(image_dir, m, quick)
+    finally:
+        storage = _custom_storage_answer(ctx, asking)
+    for name, problem in found:
+        if problem == "checksum":
+            v.add("IMAGE_CHECKSUM", f"{name}: its digest or size differs from the manifest's")
+        else:
+            v.add("IMAGE_FILE_MISSING", f"{name}: {problem}")
+    return storage
+
+
+def _ask_custom_storage(ctx: Context, m: Manifest) -> Any:
+    """For an image with its GPU memory in storage: the driver asked, on a
+    thread started now, whether it has custom storage - its attach (a
+    second or more) runs while the chunks are hashed. None for another image.
+    `_custom_storage_answer` waits for it."""
+    if m.gpu_storage is None:
+        return None
+    import threading
+
+    from cudahook.core.backends import probe
+
+    box: list[tuple[bool, str]] = []
+
+    def ask() -> None:
+        try:
+            f = probe(ctx.backend)
+            box.append((f.custom_storage, f.custom_storage_why))
+        except CudahookError as exc:
+            box.append((False, str(exc)))
+        except Exception as exc:  # a bug refuses the image, never passes it
+            box.append((False, f"the driver could not be asked: {exc!r}"))
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    return t, box
+
+
+def _custom_storage_answer(ctx: Context, asking: Any) -> tuple[bool, str] | None:
+    """The answer `_ask_custom_storage` asked for (its attach has its own
+    deadline), the probe's driver attach ended with it."""
+    if asking is None:
+        return None
+    t, box = asking
+    try:
+        t.join()
+    finally:
+        ctx.engine.end_phase()  # no driver call outlives the check
+    return box[0] if box else (False, "the driver could not be asked")
+
+
+def _custom_storage(v: Verdict, m: Manifest, answer: tuple[bool, str] | None) -> None:
     """An image with its GPU memory in storage restores only through custom
     storage: a driver or backend without it is refused now, cleanly, not
     found out at post-resume with the tasks running."""
-    from cudahook.core.backends import probe
-
-    if m.gpu_storage is None:
+    if m.gpu_storage is None or answer is None:
         return
     v.checked.append("custom storage")
-    try:
-        f = probe(ctx.backend)
-        have, why = f.custom_storage, f.custom_storage_why
-    except CudahookError as exc:
-        have, why = False, str(exc)
-    finally:
-        ctx.engine.end_phase()  # the probe's driver attach ends with the check
+    have, why = answer
     if not have:
         v.add("GPU_STORAGE_UNAVAILABLE", f"the image holds its GPU memory in storage: {why}")
 

@@ -231,7 +231,10 @@ def _restore(ctx: Context, run: CriuRun, data: Manifest, init_pid: int,
     vmm_dir = run.get("vmm_dir")
     before = bool(vmm_dir) and ctx.settings.vmm_restore_before_unlock
     storage = _storage_dirs(run, data, procs)
-    result = ctx.engine.restore(procs, mapping, unlock=not before, storage=storage)
+    # Post-restore verified every chunk (its checks): the helper checks each
+    # again only on its way in.
+    result = ctx.engine.restore(procs, mapping, unlock=not before, storage=storage,
+                                storage_checked=True)
     # 3. The VMM coordinator replays CUDA calls inside the workload: it
     #    needs the processes restored and, by default, unlocked.
     began, vmm_s = time.monotonic(), None

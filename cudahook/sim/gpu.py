@@ -98,6 +98,14 @@ class Mapping:
     sizes: list[int]
     charged: int = 0  # device memory charged for it (a restore's range)
     mapper: Client | None = None  # the checkpointer's context that mapped it
+    # A checkpoint's range is its first allocation's own memfd, extended
+    # past it (`_gather`): that allocation's size, to cut it back to if the
+    # checkpoint is cancelled; None for a range of its own.
+    extends: int | None = None
+
+
+# A digest of a buffer this large lets go of the pages it mapped (see "digest").
+DROP_VIEW_BYTES = 1 << 20
 
 
 def _end_orphaned(pid: int, token: str) -> None:
@@ -209,29 +217,38 @@ class GpuService:
     def _release(self, key: int) -> None:
         with self.lock:
             client = self.clients.pop(key, None)
-            if client and client.device:
+            if client is None:
+                return
+            if client.device:
                 dev = client.device
                 freed = sum(len(b) for b in client.buffers.values())
                 dev.used -= freed
                 dev.users.pop(client.pid, None)
+            # A range this client mapped out of another process: its
+            # operation is ended below, never left open.
             orphaned = [(t, m.owner.pid) for t, m in self.mappings.items()
-                        if client and m.mapper is client and m.owner is not client]
-            if client:
-                for handle in list(client.buffers):
-                    self._drop(client, handle)
-                for token in [t for t, m in self.mappings.items() if m.owner is client]:
-                    self._unmap(token)
+                        if m.mapper is client and m.owner is not client]
+            ranges = [self._unmap(t) for t in [t for t, m in self.mappings.items()
+                                                if m.owner is client]]
+        # Outside the lock: unmapping and freeing a process's device memory
+        # takes the kernel a while per GiB, and every other GPU's copies need
+        # the lock for their turn on the link - they must not wait for it.
+        for handle in list(client.buffers):
+            self._drop(client, handle)
+        for fd in ranges:
+            os.close(fd)
         for token, pid in orphaned:
             threading.Thread(target=_end_orphaned, args=(pid, token), daemon=True).start()
 
-    def _unmap(self, token: str) -> None:
-        """Forget a custom-storage range (self.lock held): its memfd closes here;
-        a checkpointer that still maps it keeps only its own view."""
+    def _unmap(self, token: str) -> int:
+        """Forget a custom-storage range (self.lock held); its memfd, for the
+        caller to close once it lets go of the lock. A checkpointer that
+        still maps it keeps only its own view."""
         m = self.mappings.pop(token)
         m.device.used -= m.charged
         if m.owner.pid in m.device.users:
             m.device.users[m.owner.pid] -= m.charged
-        os.close(m.fd)
+        return m.fd
 
     @staticmethod
     def _drop(client: Client, handle: int) -> Any:
@@ -361,16 +378,29 @@ class GpuService:
             if until:
                 self._wait(until - len(buf) / (dev.bandwidth * (1 << 20)))  # our turn
             # The bytes cross inside the copy's time on the link; the client
-            # waits out the rest (clocks: CLOCK_MONOTONIC, one per host).
+            # waits out the rest, `link_left` seconds from this reply. (Not
+            # until `link_until` by its own clock: a process CRIU restored
+            # runs in a time namespace whose CLOCK_MONOTONIC lags this one
+            # by every checkpoint's downtime, and would wait that out too.)
+            left = max(0.0, until - time.monotonic()) if until else 0.0
             if op == "download":  # small images (VMM mappings): through the socket
-                return {"link_until": until}, bytes(buf)
+                return {"link_until": until, "link_left": left}, bytes(buf)
             # The process locked, nothing writes the pages while both hold them.
-            return {"link_until": until, "size": len(buf),
+            return {"link_until": until, "link_left": left, "size": len(buf),
                     "_fd": os.dup(client.fds[int(msg["handle"])])}, b""
         if op in ("map_out", "map_in", "map", "link", "adopt", "unmap"):
             return self._storage(client, op, msg), b""
         if op == "digest":
-            return {"sha256": hashlib.sha256(self._buffer(client, msg)).hexdigest()}, b""
+            buf = self._buffer(client, msg)
+            digest = hashlib.sha256(buf).hexdigest()
+            if isinstance(buf, mmap.mmap) and len(buf) >= DROP_VIEW_BYTES:
+                # Reading it mapped every page into this service's view of
+                # the memfd; letting go of that view now (the pages stay)
+                # keeps its cost here, in the check, rather than charged to
+                # whatever phase next unmaps the buffer: a driver keeps no
+                # host page tables over device memory.
+                buf.madvise(mmap.MADV_DONTNEED)
+            return {"sha256": digest}, b""
         if op == "incr":
             # A "kernel": add one to the 64-bit counter at the buffer's start.
             buf = self._buffer(client, msg)
@@ -408,8 +438,12 @@ class GpuService:
             if op == "map_in":
                 with self.lock:
                     self._charge(client, total)
+            extends = None
             try:
-                fd = memfd(total)
+                if op == "map_out":
+                    fd, extends = self._gather(client, [int(h) for h in msg["handles"]], bufs)
+                else:
+                    fd = memfd(total)
                 if op == "map_in" and total:
                     # Device memory is the service's: its pages are made
                     # here, so the checkpointer's copy in fills them without
@@ -425,17 +459,11 @@ class GpuService:
                     with self.lock:
                         self._uncharge(client, total)
                 raise CudaError(OUT_OF_MEMORY, f"device memory: {exc}") from exc
-            if op == "map_out":
-                offset = 0
-                for buf in bufs:
-                    view, done = memoryview(buf), 0
-                    while done < len(view):
-                        done += os.pwrite(fd, view[done:], offset + done)
-                    offset += len(view)
             token = secrets.token_hex(8)
             with self.lock:
                 self.mappings[token] = Mapping(fd, total, dev, client, sizes,
-                                               total if op == "map_in" else 0)
+                                               total if op == "map_in" else 0,
+                                               extends=extends)
             return {"token": token, "size": total, "sizes": sizes}
         with self.lock:
             m = self.mappings.get(str(msg.get("token")))
@@ -449,21 +477,65 @@ class GpuService:
         if m.owner is not client:
             raise CudaError(INVALID_VALUE, "not this process's mapping")
         if op == "adopt":
-            handles, offset = [], 0
-            whole = _mapping(m.fd, m.size)
-            try:
-                for size in m.sizes:
-                    handles.append(self._store(client, size, memoryview(whole)[offset:offset + size]))
-                    offset += size
-            finally:
-                if isinstance(whole, mmap.mmap):
-                    with contextlib.suppress(BufferError):
-                        whole.close()
+            handles = self._scatter(client, m)
             with self.lock:
                 m.charged = 0  # now the allocations' own
+        elif m.extends is not None:
+            # A cancelled checkpoint (no checkpointer maps the range any
+            # more): the allocation gets its own size back.
+            os.ftruncate(m.fd, m.extends)
         with self.lock:
-            self._unmap(str(msg["token"]))
+            fd = self._unmap(str(msg["token"]))
+        os.close(fd)
         return {"handles": handles} if op == "adopt" else {}
+
+    @staticmethod
+    def _gather(client: Client, handles: list[int], bufs: list[Any]) -> tuple[int, int | None]:
+        """A checkpoint's range, the allocations end to end: (its memfd, the
+        size of the allocation it extends, or None). The driver maps device
+        memory where it is; so does this, for the first allocation: the
+        range is that allocation's own memfd, extended, with the others
+        written after it. (A copy of it all here would cost the phase what
+        no driver spends, on top of the link's modelled time.)"""
+        first = len(bufs[0]) if bufs else 0
+        fd = os.dup(client.fds[handles[0]]) if first else memfd(sum(len(b) for b in bufs))
+        try:
+            offset = 0
+            if first:
+                os.ftruncate(fd, sum(len(b) for b in bufs))
+                offset = first
+            for buf in bufs[1:] if first else bufs:
+                view, done = memoryview(buf), 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], offset + done)
+                offset += len(view)
+        except OSError:
+            if first:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, first)
+            os.close(fd)
+            raise
+        return fd, first or None
+
+    def _scatter(self, client: Client, m: Mapping) -> list[int]:
+        """A restore's range back into allocations (`adopt`): the first one
+        takes the range's memfd itself, cut to its size, once the others
+        have been copied out of the rest; their handles. The checkpointer
+        has unmapped the range by now (the operation is complete)."""
+        handles, offset = [], m.sizes[0] if m.sizes and m.sizes[0] else 0
+        whole = _mapping(m.fd, m.size)
+        try:
+            for size in m.sizes[1:] if offset else m.sizes:
+                handles.append(self._store(client, size, memoryview(whole)[offset:offset + size]))
+                offset += size
+        finally:
+            if isinstance(whole, mmap.mmap):
+                with contextlib.suppress(BufferError):
+                    whole.close()
+        if m.sizes and m.sizes[0]:
+            os.ftruncate(m.fd, m.sizes[0])
+            handles.insert(0, self._store(client, m.sizes[0], src=m.fd))
+        return handles
 
     def _reserve(self, dev: Device, size: int, since: float = 0.0) -> float:
         """Queue a copy of `size` bytes on the GPU's link, starting no earlier

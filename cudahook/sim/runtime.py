@@ -348,6 +348,9 @@ class SimCuda:
                 # The GPU service paces the copy over the GPU's link: the copy
                 # is made within its time, the rest is waited out here.
                 reply, fd = self._call({"op": "download_fd", "handle": handle}, take_fd=True)
+                # The link's time is counted from this reply (see the GPU
+                # service): the copy below runs within it, not on top of it.
+                ends = time.monotonic() + float(reply.get("link_left") or 0)
                 try:
                     size = int(reply.get("size", -1))
                     if os.fstat(fd).st_size != size:
@@ -360,7 +363,7 @@ class SimCuda:
                     raise CudaError(OUT_OF_MEMORY, f"host copy of {name!r}: {exc}") from exc
                 finally:
                     os.close(fd)
-                left = float(reply.get("link_until") or 0) - time.monotonic()
+                left = ends - time.monotonic()
                 if left > 0:
                     time.sleep(left)
         except (GpuLost, CudaError) as exc:

@@ -489,13 +489,15 @@ class DriverAPI:
             "dedupe": self.settings.gpu_storage_dedupe if dedupe is None else dedupe})
 
     def restore_from_storage(self, pid: int, directory: str,
-                             device_map: dict[str, str] | None = None) -> None:
+                             device_map: dict[str, str] | None = None, *,
+                             checked: bool = False) -> None:
         """Restore a process's GPU memory from `directory`, every chunk checked
-        against its digest before the process is touched and again on its way
-        in. It ends locked (unlock is the caller's); a bad image leaves it
-        checkpointed, a chunk that changes meanwhile leaves it locked."""
+        against its digest on its way in, and before the process is touched
+        unless `checked` (the caller has just verified them all). It ends
+        locked (unlock is the caller's); a bad image found before leaves it
+        checkpointed, a chunk bad on its way in leaves it locked."""
         self._need_storage(pid, "restore")
-        request: dict = {"dir": directory}
+        request: dict = {"dir": directory, "checked": checked}
         if device_map:
             try:
                 request["pairs"] = [[uuid_hex(old), uuid_hex(new)]

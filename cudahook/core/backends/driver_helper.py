@@ -15,6 +15,8 @@ hook's critical path.
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import io
 import json
 import os
@@ -164,7 +166,8 @@ class Driver:
                                              _level(req.get("zstd", 0)),
                                              bool(req.get("dedupe", False)))
         elif op == "storage-restore":
-            self.storage().restore(pid, str(req["dir"]), req.get("pairs") or [])
+            self.storage().restore(pid, str(req["dir"]), req.get("pairs") or [],
+                                   checked=req.get("checked") is True)
         else:
             raise ValueError(f"unknown request {op!r}")
         return None
@@ -239,9 +242,10 @@ class Storage:
     chunk to its own file with its digest in the manifest; the files, the
     manifest and the directory are fsynced before cuCheckpointOperationComplete
     lets the driver release the memory. A restore verifies every chunk
-    against the manifest before the process is touched, and again as it
-    copies each one in. The image directory comes from outside: opened
-    without following links, regular files only, sizes exact, manifest capped.
+    against the manifest as it copies each one in, and before the process is
+    touched too unless the caller has just verified them all (`checked`).
+    The image directory comes from outside: opened without following links,
+    regular files only, sizes exact, manifest capped.
     """
 
     def __init__(self, driver: Driver):
@@ -310,6 +314,12 @@ class Storage:
             try:
                 manifest = {"format": 2, "digest": out.digest, "chunk": chunk, "ranges": [
                     self._copy_out(r, out, i, chunk, reserve) for i, r in enumerate(ranges)]}
+                # Durable before the driver may release the memory: the chunks
+                # (those not fsynced as they were written, fsynced once all
+                # are, so the disk writes them back while the link copies),
+                # the manifest, the directory.
+                for name in out.unsynced:
+                    _fsync(dirfd, name)
                 raw = json.dumps(manifest).encode()
                 _give_back(reserve, len(raw) + RESERVE_DIRECTORY)
                 _write(dirfd, MANIFEST, raw)
@@ -403,7 +413,7 @@ class Storage:
         # `zstd`: each chunk's size as stored compressed, 0 where stored raw.
         return {"size": r.size, "chunks": digests, **({"zstd": stored} if any(stored) else {})}
 
-    def restore(self, pid: int, directory: str, pairs: list) -> None:
+    def restore(self, pid: int, directory: str, pairs: list, checked: bool = False) -> None:
         self._current()
         try:
             dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -416,11 +426,15 @@ class Storage:
             if any(rng.get("zstd") for rng in manifest["ranges"]):
                 _needs("zstandard", "an image of compressed chunks")
             # Every chunk verified before the process is touched: a bad image
-            # leaves it checkpointed, exactly as it was.
+            # leaves it checkpointed, exactly as it was. A caller that has just
+            # verified them all (post-restore) spares this second read: a chunk
+            # changed since is still refused on its way in, below, and the
+            # process is then left locked, never released.
             for i, rng in enumerate(manifest["ranges"]):
                 for k, digest in enumerate(rng["chunks"]):
-                    read_chunk(dirfd, _chunk_name(i, k), _chunk_size(rng["size"], chunk, k),
-                               _zstd(rng, k), kind, digest, None)
+                    if not checked:
+                        read_chunk(dirfd, _chunk_name(i, k), _chunk_size(rng["size"], chunk, k),
+                                   _zstd(rng, k), kind, digest, None)
             info = ctypes.POINTER(CUcheckpointCustomStorageInfo)()
             args = CUcheckpointRestoreArgs()
             args.customStorageInfo_out = ctypes.pointer(info)
@@ -519,6 +533,9 @@ class _Out:
         self.index: int | None = None
         self.index_id = (0, 0)  # the index's device and inode: whose claims
         self.stored = self.linked = 0  # bytes written, chunks linked
+        # Chunks written without an fsync, for the checkpoint to fsync in
+        # one pass once all are written (see Storage._checkpoint).
+        self.unsynced: list[str] = []
 
     def open_index(self, directory: str) -> None:
         self.index = _index(directory)
@@ -554,7 +571,13 @@ class _Out:
 
     def _write(self, name: str, data: memoryview, digest: str) -> int:
         frame = _compress(self.zstd, data) if self.zstd else None
-        _write(self.dirfd, name, data if frame is None else frame)
+        # A chunk published in the index must be complete on disk first (see
+        # _link); one of this process's own is fsynced with the others, later.
+        # A raw chunk goes from the pinned buffer with O_DIRECT where it can.
+        sync = self.index is not None
+        _write(self.dirfd, name, data if frame is None else frame, sync=sync)
+        if not sync:
+            self.unsynced.append(name)
         self.stored += len(data) if frame is None else len(frame)
         if self.index is not None:
             import contextlib
@@ -775,8 +798,6 @@ def _give_back(reserve: int | None, n: int) -> None:
     parallel share the file: one shrink at a time."""
     if reserve is None:
         return
-    import fcntl
-
     fcntl.flock(reserve, fcntl.LOCK_EX)
     try:
         os.ftruncate(reserve, max(0, os.fstat(reserve).st_size - n))
@@ -784,15 +805,56 @@ def _give_back(reserve: int | None, n: int) -> None:
         fcntl.flock(reserve, fcntl.LOCK_UN)
 
 
-def _write(dirfd: int, name: str, data: object) -> None:
-    """A new file, written whole and fsynced."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600, dir_fd=dirfd)
+# O_DIRECT moves a chunk from the pinned buffer to the disk without passing
+# through the page cache; it needs the buffer, the length and the offset
+# aligned to the device's block (4096 covers them all).
+DIRECT_ALIGN = 4096
+
+
+def _write(dirfd: int, name: str, data: object, sync: bool = True) -> None:
+    """A new file, written whole; fsynced unless `sync` is False (the caller
+    fsyncs it later: `_fsync`). With O_DIRECT where the filesystem takes it
+    and the buffer is aligned (tmpfs refuses it: written through the cache)."""
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    direct = getattr(os, "O_DIRECT", 0) if _aligned(view) else 0
     try:
-        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        fd = os.open(name, flags | direct, 0o600, dir_fd=dirfd)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        fd, direct = os.open(name, flags, 0o600, dir_fd=dirfd), 0
+    try:
         done = 0
         while done < len(view):
-            done += os.write(fd, view[done:])
+            try:
+                done += os.write(fd, view[done:])
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                # Opened, yet refused at the write (some filesystems): the
+                # rest through the page cache.
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~direct)
+                direct = 0
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _aligned(view: memoryview) -> bool:
+    """Whether `view` can go to the disk with O_DIRECT as it is."""
+    if not view.nbytes or view.nbytes % DIRECT_ALIGN:
+        return False
+    if view.readonly:
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % DIRECT_ALIGN == 0
+
+
+def _fsync(dirfd: int, name: str) -> None:
+    """fsync a file this helper wrote with `_write(sync=False)`."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -1041,7 +1041,11 @@ static CUresult storage_begin(int pid, int restore, const char *uuid, const char
             rc = CUDA_ERROR_UNKNOWN;
     }
     if (rc == CUDA_SUCCESS && size) {
-        op->addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        /* MAP_POPULATE: the range's pages are mapped here in one go, not
+         * faulted in 4 KiB at a time by the copies - a GPU's mapping of
+         * device memory costs the host no page faults, so the simulated
+         * copies should not either (the link's time is the service's). */
+        op->addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
         if (op->addr == MAP_FAILED)
             rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
