@@ -538,6 +538,108 @@ def sim_node(prefix: str, *, gpus: int, attach_latency: float, bandwidth: float,
                 kill_group(p)
             lab.stop()
 
+# -- the simulator's own host copies (P7, P9) -------------------------------------
+
+# One copier: it copies each memfd it was handed (one thread each) with the
+# simulator's own copy function, between a "go" line and a "done" line, and
+# holds its copies until told to exit, as the simulator holds them.
+_COPIER = """
+import sys, threading
+from cudahook.sim.gpu import copy_memfd
+size, fds, copies = int(sys.argv[1]), [int(x) for x in sys.argv[2:]], []
+def one(fd):
+    copies.append(copy_memfd(fd, size))
+print("ready", flush=True)
+if sys.stdin.readline() == "go\\n":
+    threads = [threading.Thread(target=one, args=(fd,)) for fd in fds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print("done" if len(copies) == len(fds) else "failed", flush=True)
+    sys.stdin.read()
+"""
+
+
+def _copy_wall(sources: Sequence[int], size: int, groups: list[list[int]]) -> float:
+    """Seconds from "go" until every copier has copied its memfds."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for group in groups:
+            procs.append(subprocess.Popen(
+                [PYTHON, "-c", _COPIER, str(size), *map(str, group)], pass_fds=group,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                start_new_session=True))
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline() != "ready\n":
+                raise RuntimeError("a copier of the host-copy floor did not start")
+        t0 = time.perf_counter()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline() != "done\n":
+                raise RuntimeError("a copy of the host-copy floor failed")
+        dt = time.perf_counter() - t0
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.close()
+            p.wait(30)
+        return dt
+    finally:
+        for p in procs:
+            kill_group(p)
+
+
+def sim_copy_floor(copies: int, mib: int, reps: int) -> dict[str, list[float]]:
+    """The wall time of one cycle's host copies as the simulator makes them
+    (cudahook.sim.gpu.copy_memfd, from memfds of device memory), `reps`
+    samples of each direction, made here on this machine's CPUs:
+
+      sim-copy-checkpoint  `copies` processes at once, each copying a memfd
+                           of `mib` MiB into one of its own (SimCuda.checkpoint
+                           in each simulated CUDA process)
+      sim-copy-restore     one process copying them all back, a thread each
+                           (the GPU service's per-client recharge)
+
+    A real GPU makes these copies by DMA, within its link's time; the
+    simulator makes them on the CPUs, which may not keep up with the link
+    it models: this is the floor that puts under a simulated phase."""
+    from cudahook.sim.gpu import memfd
+
+    size = mib << 20
+    block = os.urandom(min(size, 16 << 20)) if size else b""
+    sources: list[int] = []
+    samples: dict[str, list[float]] = {"sim-copy-checkpoint": [], "sim-copy-restore": []}
+    try:
+        for _ in range(copies):  # device memory: every page written, as a workload's is
+            sources.append(memfd(size))
+            for off in range(0, size, len(block)):
+                os.pwrite(sources[-1], block[:size - off], off)
+        for _ in range(reps):
+            samples["sim-copy-checkpoint"].append(
+                _copy_wall(sources, size, [[fd] for fd in sources]))
+            samples["sim-copy-restore"].append(_copy_wall(sources, size, [sources]))
+    finally:
+        for fd in sources:
+            os.close(fd)
+    return samples
+
+
+def floor_limits(link_s: float, attach_s: float, floor: dict[str, list[float]]) -> list[float]:
+    """The limit of one checkpoint+restore cycle under the simulator's
+    host-copy floor, one per floor sample: per phase, its attach plus the
+    longer of its link time and the CPU copies the simulator makes within
+    that phase. The checkpoint's copies run within the link's time; the
+    restore's copy back runs once each restored process touches the GPU
+    again (after the phase, in the benchmarks' untimed memory check), so the
+    restore phase's floor is its link time."""
+    return [2 * attach_s + max(link_s, c) + link_s for c in floor["sim-copy-checkpoint"]]
+
+
 # -- cgroups (v1 pids hierarchy or v2), for "containers" without runc ------------
 
 
