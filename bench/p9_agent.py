@@ -229,6 +229,8 @@ def link_limit(args, res: Result, tmp) -> None:  # type: ignore[no-untyped-def]
     res.ratio(SIM_FLOOR_LABEL, "p7-cycle-agent", "p7-limit-sim-floor", P7_TARGET)
     res.ratio("P7 cycle agent/no-attach limit, phases apart", "p7-cycle-agent-settled",
               "p7-limit-no-attach", P7_TARGET, headline=False)
+    res.ratio(f"{SIM_FLOOR_LABEL}, phases apart", "p7-cycle-agent-settled",
+              "p7-limit-sim-floor", P7_TARGET, headline=False)
     res.notes.append(
         f"agent-settled: an untimed pause of {args.p7_settle:g}s before each phase, where a real "
         "cycle has CRIU's dump and restore (and the helper variant its attach); the simulated "
