@@ -1206,7 +1206,8 @@ def _attack_entry(man: dict[str, Any], entry: dict[str, Any], attack: str, k: in
     elif attack == "extra-key":
         rng["\x1b[31mred"] = junk
         entry["chunks"] = [1] * 3  # a key the schema does not know: kept away from use
-        rng["chunks"][k] = rng["chunks"][(k + 1) % 3]  # and a real digest mismatch
+        d = rng["chunks"][k]  # and a real digest mismatch (equal chunks share digests)
+        rng["chunks"][k] = d[:-1] + ("1" if d[-1] == "0" else "0")
     elif attack == "deep":
         rng["zstd"] = json.loads("[" * 200 + "]" * 200)
     elif attack == "sizes":
