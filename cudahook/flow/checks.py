@@ -597,17 +597,25 @@ def _storage_space(v: Verdict, image_dir: Path | None, gpu: dict[int, int] | Non
         v.warnings.append(f"storage path: {_mib(need)} of GPU memory will be written into the "
                           "image directory; its free space is not checked (give --image-dir)")
         return
-    try:
-        st = os.statvfs(image_dir)
-    except OSError as exc:
-        v.add("IMAGE_SPACE", f"{image_dir}: {exc.strerror}")
+    free = _free_bytes(v, image_dir)
+    if free is None:
         return
-    free = st.f_bavail * st.f_frsize
     v.facts.update(image_gpu_bytes=need, image_free_bytes=free)
     if need > free:
         v.add("IMAGE_SPACE", f"storage path: GPU memory {_mib(need)} (with {_mib(STORAGE_SLACK)} "
               f"for its manifests; dedupe and compression not counted on) > {_mib(free)} free "
               f"on the file system of {image_dir}")
+
+
+def _free_bytes(v: Verdict, image_dir: Path) -> int | None:
+    """Bytes free to an unprivileged writer on image_dir's file system;
+    None, said as IMAGE_SPACE, when it cannot be asked."""
+    try:
+        st = os.statvfs(image_dir)
+    except OSError as exc:
+        v.add("IMAGE_SPACE", f"{image_dir}: {exc.strerror}")
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _image_space(ctx: Context, v: Verdict, pids: list[int], image_dir: Path,
@@ -627,12 +635,9 @@ def _image_space(ctx: Context, v: Verdict, pids: list[int], image_dir: Path,
             rss += sum(int(status.get(k, "0 kB").split()[0]) << 10
                        for k in ("RssAnon", "RssShmem", "VmSwap"))
     need = rss + sum((gpu or {}).values()) + (STORAGE_SLACK if storage and gpu else 0)
-    try:
-        st = os.statvfs(image_dir)
-    except OSError as exc:
-        v.add("IMAGE_SPACE", f"{image_dir}: {exc.strerror}")
+    free = _free_bytes(v, image_dir)
+    if free is None:
         return
-    free = st.f_bavail * st.f_frsize
     v.facts.update(image_expected_bytes=need, image_free_bytes=free)
     if need > free:
         gpu_part = "GPU memory in cudahook-gpu/" if storage else "GPU memory"
