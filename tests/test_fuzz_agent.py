@@ -36,6 +36,7 @@ from cudahook.core import agent
 from cudahook.platform.host import Host
 
 from .conftest import Node, requires_root
+from .test_agent import wait_for
 from .test_fuzz_hooks import (
     STATS,
     fuzz,
@@ -47,16 +48,6 @@ SURFACE = "agent socket"
 REPLY_MAX = 4096  # no answer of the agent is longer (a hello, a status, an error)
 GONE_PID = (1 << 22) - 7  # above any pid_max a test node has: never a process
 RSS_GROWTH_MAX = 48 << 20
-
-
-def wait_for(what, timeout: float = 30.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 class Bench:
@@ -87,7 +78,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory, fake_libcuda: Any) -> Iterat
         proc = agent.start_detached(settings)
         try:
             wait_for(lambda: (s := agent.status(settings, 1.0)) and s["idle_workers"]
-                     and not s["warming"])
+                     and not s["warming"], 30.0)
             yield Bench(node, proc, settings, victim, bystander.pid)
         finally:
             with contextlib.suppress(ProcessLookupError):
