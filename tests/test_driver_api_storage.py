@@ -127,6 +127,7 @@ def healthy_after_restore(node, tag: str) -> dict:  # type: ignore[no-untyped-de
     while time.monotonic() < deadline:
         st = node.lab.status(tag)
         if st.get("checked_restores", 0) >= 1 and st["counter"] > before + 2:
+            assert st["intact"] and not st["errors"], st  # its memory check, after the restore
             return st
         time.sleep(0.05)
     raise AssertionError(f"not running on after the restore: {node.lab.status(tag)}")
@@ -150,8 +151,7 @@ def test_checkpoint_and_restore_through_custom_storage(make_node, tmp_path) -> N
         api.unlock(pid)
     finally:
         api.close()
-    st = healthy_after_restore(node, "w")
-    assert st["intact"] and not st["errors"]
+    healthy_after_restore(node, "w")
 
 
 def test_a_flipped_bit_in_a_chunk_is_refused_and_the_workload_stays_checkpointed(
@@ -182,8 +182,7 @@ def test_a_flipped_bit_in_a_chunk_is_refused_and_the_workload_stays_checkpointed
         api.unlock(pid)
     finally:
         api.close()
-    st = healthy_after_restore(node, "w")
-    assert st["intact"] and not st["errors"]
+    healthy_after_restore(node, "w")
 
 
 def test_a_checked_restore_skips_the_first_read_but_refuses_a_chunk_bad_on_its_way_in(
@@ -326,8 +325,7 @@ def test_a_storage_checkpoint_that_fails_before_completion_puts_the_memory_back(
     finally:
         api.close()
     if state == "locked":
-        st = healthy_after_restore(node, "w")
-        assert st["intact"] and not st["errors"]
+        healthy_after_restore(node, "w")
 
 
 # -- dedupe and compression ----------------------------------------------------
@@ -360,8 +358,7 @@ def test_identical_chunks_are_stored_once_and_compressed_and_restore_intact(
         api.unlock(pid)
     finally:
         api.close()
-    st = healthy_after_restore(node, "w")
-    assert st["intact"] and not st["errors"]
+    healthy_after_restore(node, "w")
 
 
 def node_pattern(node, tag: str) -> bytes:  # type: ignore[no-untyped-def]
@@ -382,8 +379,7 @@ def test_chunks_that_do_not_shrink_are_stored_raw(make_node, tmp_path) -> None: 
         api.unlock(pid)
     finally:
         api.close()
-    st = healthy_after_restore(node, "w")
-    assert st["intact"] and not st["errors"]
+    healthy_after_restore(node, "w")
 
 
 def test_a_failed_process_never_takes_a_chunk_another_process_shares(
@@ -428,8 +424,7 @@ def test_a_failed_process_never_takes_a_chunk_another_process_shares(
     finally:
         api.close()
     for tag in ("w.0", "w.1"):
-        st = healthy_after_restore(node, tag)
-        assert st["intact"] and not st["errors"]
+        healthy_after_restore(node, tag)
 
 
 @pytest.mark.parametrize("case", ["bomb", "unsized-bomb", "short", "not-zstd", "two-frames",
@@ -523,8 +518,7 @@ def test_with_dedupe_off_every_chunk_is_a_file_of_its_own(make_node, tmp_path) -
         api.unlock(pid)
     finally:
         api.close()
-    st = healthy_after_restore(node, "w")
-    assert st["intact"] and not st["errors"]
+    healthy_after_restore(node, "w")
 
 
 @pytest.mark.parametrize("side", ["checkpoint", "restore"])
