@@ -97,6 +97,17 @@ def gpu_container(podman: Podman, lab: SimLab, prefix: str,
     return name, tags
 
 
+def restored_copy(node: Node, podman: Podman, archive: Path, copy: str, tags: list[str],
+                  frozen: dict[str, int]) -> None:
+    """`restore --import` of `archive` as container `copy`: it runs, each
+    workload continuing from its frozen counter and running on after."""
+    with node.resumed(tags) as reports:
+        podman("container", "restore", "--import", str(archive), "--name", copy)
+        first = reports.assert_from(frozen, frozen)
+    assert podman.state(copy) == "running"
+    node.wait_running(tags, first)
+
+
 def assert_hooked(node: Node, podman: Podman, name: str) -> None:
     """podman put the hooks.d prestart hook in the spec (its poststop hooks
     it runs itself, at cleanup); the hook recorded the container."""
@@ -181,11 +192,7 @@ def test_export_then_import_as_a_copy(node: Node, podman: Podman, tmp_path: Path
     # The original goes; its copy is restored from the archive under a new name.
     podman("rm", "-f", "-t", "0", name)
     copy = f"{name}-copy"
-    with node.resumed(tags) as reports:
-        podman("container", "restore", "--import", str(archive), "--name", copy)
-        first = reports.assert_from(frozen, frozen)
-    assert podman.state(copy) == "running"
-    node.wait_running(tags, first)
+    restored_copy(node, podman, archive, copy, tags, frozen)
     copy_id = podman.inspect(copy)["Id"]
     (restore,) = node.wait_event(copy_id, "restore")
     assert len(restore["pids"]) == len(tags)

@@ -35,7 +35,7 @@ from .conftest import tree_digest
 from .daemons import Containerd, DaemonError, Dockerd
 from .outcomes import process_tree
 from .podman import PODMAN, Podman
-from .test_podman import gpu_container, podman, rootfs  # noqa: F401  (fixtures)
+from .test_podman import gpu_container, podman, restored_copy, rootfs  # noqa: F401  (fixtures)
 from .test_runtimes import (  # noqa: F401  (image is a fixture)
     DAEMON_JSON,
     Node,
@@ -322,10 +322,6 @@ def test_podman_storage_export_and_a_flipped_chunk(node: Node, podman: Podman,  
         podman("rm", "-f", "-t", "0", f"{name}-bad", check=False)
 
         copy = f"{name}-copy"
-        with node.resumed(tags) as reports:
-            podman("container", "restore", "--import", str(archive), "--name", copy)
-            first = reports.assert_from(frozen, frozen)
-        assert podman.state(copy) == "running"
-        node.wait_running(tags, first)
+        restored_copy(node, podman, archive, copy, tags, frozen)
         intact(node, tags)
         podman("rm", "-f", "-t", "0", copy)
