@@ -591,3 +591,47 @@ def test_a_helper_killed_mid_copy_ends_the_operation_with_the_workload_intact(
     if st is None:
         st = node.lab.wait_counter("w", node.lab.status("w")["counter"] + 3)
     assert st["intact"] and not st["errors"], st
+
+
+def test_a_chunk_published_between_a_look_and_a_claim_is_linked_not_written_again(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two processes' threads reach the same chunk: one looks in the index
+    and finds nothing, the other writes, publishes and lets go of its claim,
+    then the first claims it. It must link the published file, not store a
+    second copy (under load, this interleaving stored a replica twice)."""
+    import os
+
+    from cudahook.core.backends import driver_helper as dh
+
+    data = memoryview(os.urandom(1 << 16))
+    digest = "d" * 64
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    outs = []
+    for pid in ("1", "2"):
+        out = dh._Out(os.open(tmp_path / pid, os.O_RDONLY | os.O_DIRECTORY), "sha256", 0)
+        out.open_index(str(tmp_path / pid))
+        outs.append(out)
+    first, second = outs
+    real_link = first._link
+    looked: list[int] = []
+
+    def look_then_the_other_writes(name: str, d: str) -> int | None:
+        size = real_link(name, d)
+        if not looked:  # the first look misses, and the other thread runs whole
+            looked.append(1)
+            assert second.put("gpu0-000000.chunk", data, digest) == 0
+        return size
+
+    first._link = look_then_the_other_writes  # type: ignore[method-assign]
+    try:
+        assert first.put("gpu0-000000.chunk", data, digest) == 0
+    finally:
+        for out in outs:
+            os.close(out.dirfd)
+            if out.index is not None:
+                os.close(out.index)
+    a, b = (os.stat(tmp_path / pid / "gpu0-000000.chunk") for pid in ("1", "2"))
+    assert (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino), "the chunk was stored twice"
+    assert first.linked == 1 and first.stored == 0 and second.stored == len(data)
+    assert not dh._claims

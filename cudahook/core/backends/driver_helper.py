@@ -563,6 +563,12 @@ class _Out:
                     break
             other.wait()  # then link it, or (its writer failed) write it
         try:
+            # Its writer may have published it and let go of its claim
+            # between our look and our claim: look again before writing.
+            size = self._link(name, digest)
+            if size is not None:
+                self.linked += 1
+                return size
             return self._write(name, data, digest)
         finally:
             with _claims_lock:
