@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cudahook.admin import hookfiles, signing
@@ -1120,25 +1120,32 @@ def lay_storage(root: Path, case: dict[str, Any]) -> tuple[Path, bool]:
                                            "processes": procs}}
     integrity = False
     entries = dict(zip(case["procs"], procs, strict=True))
+    attacked: dict[Path, bytes] = {}  # each attacked chunk file's bytes before
     for where, attack, nspid, k in case["attacks"]:
         entry = entries[nspid]
         path = store / str(nspid) / f"gpu0-{k:06d}.chunk"
         if where == "chunk":
-            integrity |= _attack_chunk(store, path, attack, entry, k, chunks[k])
+            if path not in attacked and path.is_file() and not path.is_symlink():
+                attacked[path] = path.read_bytes()
+            _attack_chunk(store, path, attack, entry, k, chunks[k])
         elif where == "entry":
             integrity = True
             _attack_entry(man, entry, attack, k, case["junk"])
         else:
             integrity |= _attack_dir(store, attack, nspid)
+    # Attacks can undo each other (extend, then truncate; flip twice): only a
+    # chunk that ends up other than it was is tampered.
+    integrity |= any(not path.is_file() or path.is_symlink() or path.read_bytes() != before
+                     for path, before in attacked.items())
     (image / "cudahook-manifest.json").write_text(json.dumps(man))
     return image, integrity
 
 
 def _attack_chunk(store: Path, path: Path, attack: str, entry: dict[str, Any], k: int,
-                  raw: bytes) -> bool:
+                  raw: bytes) -> None:
     rng = entry["ranges"][0]
     if not path.is_file() or path.is_symlink():  # an earlier attack's: tampered already
-        return True
+        return
     data = path.read_bytes()
     if attack in ("bomb", "unsized-bomb", "two-frames", "bad-frame"):
         frame = {"bomb": _frame(raw * 1024),
@@ -1150,7 +1157,7 @@ def _attack_chunk(store: Path, path: Path, attack: str, entry: dict[str, Any], k
         path.unlink()  # a file of its own: the other links keep theirs
         path.write_bytes(frame)
         rng["zstd"][k] = len(frame)  # the manifest agrees on its size: only the frame lies
-        return True
+        return
     path.unlink()
     if attack == "truncate":
         path.write_bytes(data[:-1])
@@ -1173,7 +1180,6 @@ def _attack_chunk(store: Path, path: Path, attack: str, entry: dict[str, Any], k
         outside = store.parent.parent / "outside"
         outside.write_bytes(b"secret" * 100)
         os.link(outside, path)
-    return True  # each one changes what the chunk reads as
 
 
 def _attack_entry(man: dict[str, Any], entry: dict[str, Any], attack: str, k: int,
@@ -1243,6 +1249,9 @@ def _attack_dir(store: Path, attack: str, nspid: int) -> bool:
 
 @fuzz("CUDAHOOK_FUZZ_STORAGE", 200)
 @given(case=storage_case())
+@example(case={"procs": [7], "content": ["ramp", "ramp", "zeros"],  # attacks that undo
+               "compress": [False, True, True], "junk": True,  # each other: untampered
+               "attacks": [("chunk", "extend", 7, 0), ("chunk", "truncate", 7, 0)]})
 def test_fuzz_gpu_storage_image(worker: Worker, base: Path, tools: dict[str, Path],
                                 case: dict[str, Any]) -> None:
     """`cudahook check --image` over a GPU-memory image from a supplier: the
