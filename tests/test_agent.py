@@ -614,3 +614,33 @@ def test_the_agent_passes_a_checked_restore_on_to_its_worker(make_node, tmp_path
             assert (backend.agent_sessions, backend.attaches) == (1, 0)
         finally:
             backend.close()
+
+
+def test_a_hello_trickled_in_byte_by_byte_is_cut_off_at_its_deadline(node) -> None:  # type: ignore[no-untyped-def]
+    """A peer that sends a byte now and then (each within the per-read
+    timeout) still gets one refusal line within HELLO_S of connecting, and
+    the connection it held is free again."""
+    settings = node.lab.settings(backend="driver-api")
+    with running_agent(settings):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(agent.socket_path(settings))
+        start = time.monotonic()
+        s.settimeout(0.5)
+        answer = b""
+        while b"\n" not in answer and time.monotonic() - start < agent.HELLO_S + 10:
+            with contextlib.suppress(OSError):
+                s.sendall(b" ")
+            try:
+                got = s.recv(4096)
+            except TimeoutError:
+                continue
+            if not got:
+                break
+            answer += got
+        took = time.monotonic() - start
+        s.close()
+        reply = json.loads(answer)
+        assert reply["ready"] is False and reply["stage"] == "refused", reply
+        assert "no hello line within" in reply["error"]
+        assert agent.HELLO_S - 0.5 < took < agent.HELLO_S + 3, took
+        wait_for(lambda: agent.status(settings, 1.0)["connections"] <= 1, 10)

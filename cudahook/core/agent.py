@@ -88,6 +88,10 @@ if TYPE_CHECKING:
 # and any line that is not a request gets one error line back.
 LINE_MAX = HELLO_MAX  # a call is some 100 bytes, a restore's GPU pairs a few KiB
 MAX_CONNECTIONS = 256  # served at once (each is a thread); past it, refused
+# The whole first line must come within this, however slowly it trickles in:
+# a sender of a byte now and then would otherwise hold a connection (of the
+# 256) for as long as it likes.
+HELLO_S = 5.0
 LOCK_TIMEOUT_MAX_MS = 3_600_000  # the driver's lock wait, at most an hour
 PAIRS_MAX = 64  # GPU pairs of one restore
 HEX_UUID = frozenset("0123456789abcdefABCDEF")
@@ -117,6 +121,30 @@ def _refusal(stage: str, error: str) -> dict[str, Any]:
 
 def _bad_request(error: str) -> dict[str, Any]:
     return {"id": None, "ok": False, "code": 1, "name": "bad request", "error": error[:200]}
+
+
+def _first_line(conn: socket.socket, reader: Any) -> bytes:
+    """The connection's first line, whole within HELLO_S of now: past it the
+    reading side is shut, so the read ends whatever the peer still sends."""
+    import threading
+
+    conn.settimeout(HELLO_S)
+    timer = threading.Timer(HELLO_S, _shut_reading, (conn,))
+    timer.daemon = True
+    timer.start()
+    try:
+        line = reader.readline(HELLO_MAX)
+    finally:
+        timer.cancel()
+    if not line.endswith(b"\n"):
+        raise ValueError(f"no hello line within {HELLO_S:g} s "
+                         f"(a line of at most {HELLO_MAX} bytes)")
+    return line
+
+
+def _shut_reading(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RD)
 
 
 def rss_bytes(pid: int) -> int:
@@ -277,11 +305,8 @@ class Agent:
             return
         # One reader for the hello and the calls after it: nothing the client
         # sent past the hello is lost in a buffer of its own.
-        conn.settimeout(5.0)
         reader = conn.makefile("rb")
-        line = reader.readline(HELLO_MAX)
-        if not line.endswith(b"\n"):
-            raise ValueError(f"no hello line (a line of at most {HELLO_MAX} bytes)")
+        line = _first_line(conn, reader)
         first = json.loads(line)
         if not isinstance(first, dict):
             raise ValueError("not an object")
