@@ -1129,8 +1129,10 @@ def lay_storage(root: Path, case: dict[str, Any]) -> tuple[Path, bool]:
                 attacked[path] = path.read_bytes()
             _attack_chunk(store, path, attack, entry, k, chunks[k])
         elif where == "entry":
-            integrity = True
+            was = json.dumps(man, sort_keys=True)
             _attack_entry(man, entry, attack, k, case["junk"])
+            # junk can be what was there (an nspid of 7): only a change tampers
+            integrity |= json.dumps(man, sort_keys=True) != was
         else:
             integrity |= _attack_dir(store, attack, nspid)
     # Attacks can undo each other (extend, then truncate; flip twice): only a
@@ -1156,7 +1158,7 @@ def _attack_chunk(store: Path, path: Path, attack: str, entry: dict[str, Any], k
             frame = frame[:STORAGE_CHUNK - 1]
         path.unlink()  # a file of its own: the other links keep theirs
         path.write_bytes(frame)
-        rng["zstd"][k] = len(frame)  # the manifest agrees on its size: only the frame lies
+        _put(rng, "zstd", k, len(frame))  # the manifest agrees on its size: the frame lies
         return
     path.unlink()
     if attack == "truncate":
@@ -1190,17 +1192,17 @@ def _attack_entry(man: dict[str, Any], entry: dict[str, Any], attack: str, k: in
     elif attack == "digest-text":
         man["gpu_storage"]["digest"] = junk
     elif attack == "zstd-length":
-        rng["zstd"] = rng["zstd"][:-1]
+        rng["zstd"] = rng["zstd"][:-1] if isinstance(rng["zstd"], list) else []
     elif attack == "zstd-size":
-        rng["zstd"][k] = STORAGE_CHUNK
+        _put(rng, "zstd", k, STORAGE_CHUNK)
     elif attack == "zstd-negative":
-        rng["zstd"][k] = -1
+        _put(rng, "zstd", k, -1)
     elif attack == "zstd-type":
         rng["zstd"] = junk
     elif attack == "chunks-count":
         rng["chunks"] = rng["chunks"][:-1]
     elif attack == "chunk-hex":
-        rng["chunks"][k] = "../../etc/passwd".ljust(64, "0")
+        _put(rng, "chunks", k, "../../etc/passwd".ljust(64, "0"))
     elif attack == "chunk-size":
         entry["chunk"] = junk
     elif attack == "dir-traversal":
@@ -1212,7 +1214,8 @@ def _attack_entry(man: dict[str, Any], entry: dict[str, Any], attack: str, k: in
     elif attack == "extra-key":
         rng["\x1b[31mred"] = junk
         entry["chunks"] = [1] * 3  # a key the schema does not know: kept away from use
-        d = rng["chunks"][k]  # and a real digest mismatch (equal chunks share digests)
+        k = min(k, len(rng["chunks"]) - 1)  # and a real digest mismatch (equal chunks
+        d = rng["chunks"][k]  # share digests)
         rng["chunks"][k] = d[:-1] + ("1" if d[-1] == "0" else "0")
     elif attack == "deep":
         rng["zstd"] = json.loads("[" * 200 + "]" * 200)
@@ -1220,6 +1223,16 @@ def _attack_entry(man: dict[str, Any], entry: dict[str, Any], attack: str, k: in
         rng["size"] = junk
     elif attack == "proc-manifest":
         entry["manifest"]["sha256"] = "0" * 64
+
+
+def _put(rng: dict[str, Any], key: str, k: int, value: Any) -> None:
+    """Item k of rng[key] set to value; an earlier attack may have left that
+    list shorter, or no list at all: then the last item, or the whole field."""
+    items = rng[key]
+    if isinstance(items, list) and items:
+        items[min(k, len(items) - 1)] = value
+    else:
+        rng[key] = [value]
 
 
 def _attack_dir(store: Path, attack: str, nspid: int) -> bool:
