@@ -154,6 +154,7 @@ def open_session(settings: Settings, timeout: float, container: str | None,
     agent, no answer in `timeout`, refused, cold): then the caller attaches
     itself, as without an agent. `container`: the container the calls are
     for, when the caller knows it (the run's name says which CRIU run)."""
+    deadline = time.monotonic() + timeout  # for the connect and the hello together
     sock = _connect(settings, timeout)
     if sock is None:
         return None
@@ -165,7 +166,7 @@ def open_session(settings: Settings, timeout: float, container: str | None,
              "calls_of": os.environ.get(CALLS_ENV)}
     try:
         _send(sock, {"hello": hello})
-        link = link_type(sock, timeout)
+        link = link_type(sock, max(deadline - time.monotonic(), 0.001))
     except (OSError, TimeoutError):
         sock.close()
         return None
