@@ -533,6 +533,20 @@ def docker_restore_moved(node: Node, d: Dockerd, cid: str, checkpoint: str, tags
     assert restore["device_map"] == device_map
 
 
+def ctr_leave_running(node: Node, c: Containerd, cid: str, ref: str, pid: int,
+                      tags: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """`ctr c checkpoint --task` (runc `--leave-running`): the same task goes
+    on, back on its GPU once the guardian resumed it. The counters before
+    and right after the checkpoint, for a later restore to continue from."""
+    before = node.counters(tags)
+    c.checkpoint(cid, ref)
+    after = node.counters(tags)
+    assert c.task_pid(cid) == pid
+    node.wait_event(cid, "guardian", lambda e: "resumed" in e.get("outcome", ""))
+    node.wait_running(tags, after, steps=15)
+    return before, after
+
+
 def docker_leave_running(node: Node, d: Dockerd, cid: str, pid: int, tags: list[str],
                          checkpoint: str) -> None:
     """`docker checkpoint create --leave-running`: the same processes go on,

@@ -38,6 +38,7 @@ from .test_runtimes import (  # noqa: F401  (image and node are fixtures)
     DAEMON_JSON,
     Node,
     assert_hooked,
+    ctr_leave_running,
     docker_gpu_task,
     docker_leave_running,
     docker_restore_moved,
@@ -114,12 +115,7 @@ def test_ctr_checkpoint_refusal_and_restore(node: Node, image: Path, tmp_path: P
         c.remove(plain)
 
         # 1. Checkpoint; ctr leaves the task running: back on its GPU.
-        before = node.counters(tags)
-        c.checkpoint(cid, ref)
-        after = node.counters(tags)
-        assert c.task_pid(cid) == pid
-        node.wait_event(cid, "guardian", lambda e: "resumed" in e.get("outcome", ""))
-        node.wait_running(tags, after, steps=15)
+        before, after = ctr_leave_running(node, c, cid, ref, pid, tags)
         c.remove(cid)
         last = node.counters(tags)
 

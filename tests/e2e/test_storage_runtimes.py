@@ -40,6 +40,7 @@ from .test_runtimes import (  # noqa: F401  (image is a fixture)
     DAEMON_JSON,
     Node,
     assert_hooked,
+    ctr_leave_running,
     docker_gpu_task,
     docker_leave_running,
     gpu_memory,
@@ -150,12 +151,7 @@ def test_containerd_ctr_storage_path(node: Node, image: Path, tmp_path: Path,  #
     with gpu_memory(node, "storage"), \
             Containerd(tmp_path / "containerd", path_prefix=node.libexec / "runc-path") as c:
         pid, bundle = run_gpu_task(node, c, image, spec, cid)
-        before = node.counters(tags)
-        c.checkpoint(cid, ref)
-        after = node.counters(tags)
-        assert c.task_pid(cid) == pid
-        node.wait_event(cid, "guardian", lambda e: "resumed" in e.get("outcome", ""))
-        node.wait_running(tags, after, steps=15)
+        before, after = ctr_leave_running(node, c, cid, ref, pid, tags)
         last = Store(str(node.state_dir)).history()[cid]["checkpoint"]
         assert last["gpu_memory"] == "storage", last
         nothing_kept(node.state_dir, c.root.parent)
