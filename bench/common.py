@@ -166,6 +166,16 @@ def fmt_s(x: float | None) -> str:
     return f"{x:.2f} s"
 
 
+def is_size(variant: str) -> bool:
+    """Whether a variant's figures are MiB, kept in the seconds fields (one
+    shape for every figure of a result)."""
+    return "MiB" in variant
+
+
+def fmt_variant(variant: str, x: float | None) -> str:
+    return f"{x:.1f} MiB" if x is not None and is_size(variant) else fmt_s(x)
+
+
 def log(msg: str) -> None:
     print(f"  .. {msg}", file=sys.stderr, flush=True)
 
@@ -235,10 +245,10 @@ class Result:
             print(f"   ERROR: {self.error}")
         if self.variants:
             w = max(len(n) for n in self.variants)
-            print(f"   {'variant':<{w}}  {'median':>10}  {'mean':>10}  {'min':>10}  {'max':>10}  n")
+            print(f"   {'variant':<{w}}  {'median':>11}  {'mean':>11}  {'min':>11}  {'max':>11}  n")
             for n, v in self.variants.items():
-                print(f"   {n:<{w}}  {fmt_s(v['median_s']):>10}  {fmt_s(v['mean_s']):>10}  "
-                      f"{fmt_s(v['min_s']):>10}  {fmt_s(v['max_s']):>10}  {v['n']}")
+                cells = (fmt_variant(n, v[k]) for k in ("median_s", "mean_s", "min_s", "max_s"))
+                print(f"   {n:<{w}}  " + "  ".join(f"{c:>11}" for c in cells) + f"  {v['n']}")
         for r in self.ratios:
             print("   " + ratio_line(r))
         for note in self.notes:

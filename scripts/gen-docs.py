@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the package and the benchmarks, from this checkout
 GIB = 1 << 30
 
 
@@ -74,7 +75,6 @@ def _schema(name: str) -> dict:
 
 def configuration() -> str:
     """The tables of docs/configuration.md."""
-    sys.path.insert(0, str(REPO))
     from cudahook.platform.config import Settings
 
     # The defaults as on a real node: node paths follow CUDAHOOK_ROOT.
@@ -97,7 +97,9 @@ def configuration() -> str:
 def _seconds(value: float | None, variant: str = "") -> str:
     if value is None:
         return "-"
-    if "MiB" in variant:  # a size kept in the seconds fields (bench/common.py's shape)
+    from bench.common import is_size
+
+    if is_size(variant):
         return f"{value:.0f} MiB"
     if value >= 1:
         return f"{value:.2f} s"
