@@ -1173,3 +1173,63 @@ def test_archive_bounded__a_zstd_bomb_chunk_is_refused_in_a_dry_run(node: SimNod
     assert time.monotonic() - t < 20
     assert a.read_bytes() == before
     assert migrate.scan(a).chunks[f"{GPU}/7/gpu0-000000.chunk"].unpacked is None
+
+
+def frame_variants() -> dict[str, bytes]:
+    """Stored bytes for a compressed chunk of 64 x "a", good and bad."""
+    import zstandard
+
+    data = b"a" * 64
+    sized = zstandard.ZstdCompressor(write_content_size=True)
+    frame = sized.compress(data)
+    checked = zstandard.ZstdCompressor(write_checksum=True).compress(data)
+    skippable = (0x184D2A53).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"xyz"
+    return {
+        "good": frame,
+        "unsized": zstandard.ZstdCompressor(write_content_size=False).compress(data),
+        "in-two-frames": sized.compress(data[:30]) + sized.compress(data[30:]),
+        "then-an-empty-frame": frame + sized.compress(b""),
+        "then-a-skippable-frame": frame + skippable,
+        "after-a-skippable-frame": skippable + frame,
+        "then-garbage": frame + b"garbage",
+        "then-more": frame + sized.compress(b"b"),
+        "cut-short": frame[:-2],
+        "checksum-flipped": checked[:-1] + bytes([checked[-1] ^ 1]),
+        "fewer-bytes": sized.compress(data[:-1]),
+        "more-bytes": sized.compress(data + b"a"),
+        "a-bomb": rle_bomb(16),
+        "not-a-frame": data,
+        "empty": b"",
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(frame_variants()))
+def test_exit_codes_one_table__a_dry_run_judges_a_frame_as_the_driver_helper_does(
+        tmp_path: Path, variant: str) -> None:
+    """Whatever a compressed chunk's stored bytes are, the dry run's verdict
+    (from the digests its one pass took) is the driver helper's own
+    (`check_stored`, what post-restore and the real restore's read-back run)."""
+    import blake3
+
+    from cudahook.core.backends import driver_helper as helper
+
+    stored = frame_variants()[variant]
+    digest = blake3.blake3(b"a" * 64).hexdigest()
+    meta = hashlib.sha256(b"{}").hexdigest()
+    m = Manifest((), gpu_storage=GpuStorage("cudahook-gpu", (StoredProcess(
+        7, 64, meta, 2, (StorageRange(64, (digest,), (len(stored),)),)),), digest="blake3"))
+    try:
+        helper.check_stored("c", memoryview(stored), 64, len(stored), "blake3", digest)
+        helper_ok = True
+    except helper.Refused:
+        helper_ok = False
+    dry = migrate.scan(write(tmp_path, BASE + member(f"{GPU}/7/manifest.json", b"{}")
+                             + member(A0, stored) + END))
+    try:
+        dry_ok = migrate.verify_files(m, dry.hashed, chunks=dry.chunks) == 0
+    except NotRestorableHere as exc:
+        assert exc.reason == "IMAGE_CHECKSUM" and exc.exit_code == Exit.NOT_HERE
+        dry_ok = False
+    assert dry_ok == helper_ok, (variant, helper_ok)
+    assert dry_ok == (variant in {"good", "unsized", "in-two-frames", "then-an-empty-frame",
+                                  "then-a-skippable-frame", "after-a-skippable-frame"})
