@@ -34,6 +34,8 @@ from cudahook.core.manifest import (
 )
 from cudahook.platform.errors import Exit, NotRestorableHere, UsageError
 
+from .conftest import Node as SimNode
+
 
 def archive(tmp_path: Path, members: dict[str, bytes], *, gz: bool = True) -> Path:
     path = tmp_path / ("ckpt.tar.gz" if gz else "ckpt.tar")
@@ -989,11 +991,245 @@ def test_exit_codes_one_table__a_blake3_or_zstd_chunk_is_read_back_from_the_copy
     for n, (target, b_data, ok) in enumerate([(A0, sb, True), (A1, sb, False),
                                               (A0, sb[:-1] + bytes([sb[-1] ^ 1]), False)]):
         copy = tmp_path / f"copy{n}.tar"
-        found = migrate.scan(write(tmp_path, tar(target, b_data)), copy)
-        assert migrate.verify_files(m, found.hashed) == 3  # no copy: left to post-restore
+        a = write(tmp_path, tar(target, b_data))
+        found = migrate.scan(a, copy)
+        assert found.chunks == {}  # with a copy: read back from it
+        assert migrate.verify_files(m, found.hashed) == 3  # neither: left to post-restore
+        dry = migrate.scan(a)  # no copy: the digests the driver helper's rule needs
+        assert set(dry.chunks) >= {A0, A1, B0}
         if ok:
             assert migrate.verify_files(m, found.hashed, found.at, copy) == 0
+            assert migrate.verify_files(m, dry.hashed, chunks=dry.chunks) == 0
             continue
-        with pytest.raises(NotRestorableHere) as exc:
-            migrate.verify_files(m, found.hashed, found.at, copy)
-        assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE
+        for args in ((found.at, copy, None), (None, None, dry.chunks)):
+            with pytest.raises(NotRestorableHere) as exc:
+                migrate.verify_files(m, found.hashed, *args)
+            assert exc.value.reason == "IMAGE_CHECKSUM" and exc.value.exit_code == Exit.NOT_HERE
+
+
+def test_exit_codes_one_table__a_dry_run_leaves_compressed_sha256_chunks_unverified(
+        tmp_path: Path) -> None:
+    """An image of sha256 digests whose chunks are stored compressed (where
+    blake3 did not load): the dry run hashes what it decompresses with
+    blake3 only, so it counts these as not verified (post-restore checks
+    them) rather than passing them."""
+    zstandard = pytest.importorskip("zstandard")
+    z = zstandard.ZstdCompressor(write_content_size=True)
+    sa, sb = z.compress(b"a" * 64), z.compress(b"b" * 64)
+    m = stored_manifest("sha256", lambda b: hashlib.sha256(b).hexdigest(), (len(sa), len(sb)))
+    dry = migrate.scan(write(tmp_path, BASE + metas() + member(A0, sa) + member(A1, sb)
+                             + link(B0, A0) + END))
+    assert migrate.verify_files(m, dry.hashed, chunks=dry.chunks) == 3
+
+
+# -- a dry run checks blake3 and compressed chunks as the driver helper would ----
+
+
+def rle_bomb(blocks: int) -> bytes:
+    """One zstd frame of `blocks` RLE blocks of 128 KiB each (4 bytes apiece),
+    with no content size: what it makes is known only by making it."""
+    frame = bytearray(b"\x28\xb5\x2f\xfd" + bytes([0x00, 0x38]))  # window 128 KiB
+    block = ((131072 << 3) | (1 << 1)).to_bytes(3, "little") + b"\0"
+    frame += block * (blocks - 1)
+    frame += ((131072 << 3) | (1 << 1) | 1).to_bytes(3, "little") + b"\0"  # the last
+    return bytes(frame)
+
+
+def packed_archive(tmp: Path, sim: SimNode, chunk: int, chunks: list[bytes],
+                   frames: list[bytes | None], damage: dict[int, bytes] | None = None) -> Path:
+    """A podman export of an image of version 3, as the storage path writes
+    it: process 7's chunks with blake3 digests, stored as `frames` (None:
+    raw), identical ones hard links to one file, its chunk manifest, the
+    image manifest naming `sim`'s driver and first GPU. `damage`: bytes
+    written in place of chunk k's file, the manifest unchanged."""
+    import blake3
+
+    from cudahook.core import manifest
+
+    image = tmp / "image"
+    proc = image / manifest.STORAGE_DIR / "7"
+    proc.mkdir(parents=True)
+    seen: dict[bytes, str] = {}
+    for k, (data, frame) in enumerate(zip(chunks, frames, strict=True)):
+        name = f"gpu0-{k:06d}.chunk"
+        if data in seen:
+            os.link(proc / seen[data], proc / name)
+        else:
+            stored = data if frame is None else frame
+            (proc / name).write_bytes((damage or {}).get(k, stored))
+            seen[data] = name
+    size = sum(map(len, chunks))
+    digests = tuple(blake3.blake3(c).hexdigest() for c in chunks)
+    zstd = tuple(0 if f is None else len(f) for f in frames)
+    raw = json.dumps({"format": 2, "digest": "blake3", "chunk": chunk, "ranges": [
+        {"size": size, "chunks": list(digests), "zstd": list(zstd)}]}).encode()
+    (proc / "manifest.json").write_bytes(raw)
+    storage = GpuStorage(manifest.STORAGE_DIR, (StoredProcess(
+        7, chunk, hashlib.sha256(raw).hexdigest(), len(raw),
+        (StorageRange(size, digests, zstd),)),), digest="blake3")
+    manifest.write(image, {
+        "container_id": "c", "processes": [{"nspid": 7, "pid": 7}], "gpu_storage": storage,
+        "driver_version": sim.lab.config["driver_version"], "gpus": sim.lab.uuids[:1]})
+    path = tmp / "job.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name in ("spec.dump", "config.dump"):
+            info = tarfile.TarInfo(name)
+            info.size = len(MEMBERS[name])
+            tar.addfile(info, io.BytesIO(MEMBERS[name]))
+        tar.add(image, arcname="checkpoint")  # a file's second name: a hard link
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
+    return path
+
+
+def dry_run(tmp: Path, sim: SimNode, a: Path) -> tuple[Node, subprocess.CompletedProcess[str]]:
+    """`migrate restore --dry-run --json` of `a` on `sim`'s GPUs."""
+    (tmp / "podman").mkdir()
+    podman = Node(tmp / "podman")  # beside the simulated node's own directory
+    podman.fake()
+    podman.configure(**{k: list(v) if isinstance(v, tuple) else v
+                        for k, v in sim.settings().__dict__.items()})
+    return podman, podman.restore(a, "--dry-run", "--json")
+
+
+#: Three 4 KiB chunks: zeros twice (compressed; the second a link to the
+#: first), then a raw one.
+DRY_CHUNKS = [bytes(4096), bytes(4096), bytes(range(256)) * 16]
+
+
+def dry_frames() -> list[bytes | None]:
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(DRY_CHUNKS[0])
+    return [frame, frame, None]
+
+
+def test_exit_codes_one_table__a_dry_run_verifies_blake3_and_zstd_chunks(
+        node: SimNode, tmp_path: Path) -> None:
+    """A dry run writes no copy to read chunks back from: the one pass over
+    the archive checks each blake3 chunk (a compressed one by what its frame
+    decompresses to, a link as its target) by the driver helper's rule, and
+    says so; none is left unverified."""
+    a = packed_archive(tmp_path, node, 4096, DRY_CHUNKS, dry_frames())
+    with tarfile.open(a) as t:
+        assert t.getmember(f"{GPU}/7/gpu0-000001.chunk").islnk()
+    before = a.read_bytes()
+    podman, r = dry_run(tmp_path, node, a)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["dry_run"] and "GPU-memory chunks (3, blake3; 2 zstd-decompressed)" in \
+        out["verified"], out["verified"]
+    assert not any("chunk" in x for x in out["not_verified"]), out["not_verified"]
+    assert not any(c[:2] == ["container", "restore"] for c in podman.calls())
+    assert list(podman.work.iterdir()) == [] and a.read_bytes() == before
+
+
+def flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
+
+
+DRY_DAMAGE: dict[str, Callable[[bytes], dict[int, bytes]]] = {
+    # A changed byte of the raw chunk: its blake3 differs.
+    "raw-chunk-flipped": lambda frame: {2: flip(DRY_CHUNKS[2], 100)},
+    # A changed byte inside the compressed chunks' frame (one file, two names).
+    "frame-flipped": lambda frame: {0: flip(frame, len(frame) - 3)},
+    # Not a zstd frame at all, where the manifest says compressed.
+    "not-a-frame": lambda frame: {0: bytes(len(frame))},
+}
+
+
+@pytest.mark.parametrize("case", sorted(DRY_DAMAGE))
+def test_exit_codes_one_table__a_dry_run_refuses_a_changed_blake3_or_zstd_chunk(
+        node: SimNode, tmp_path: Path, case: str) -> None:
+    """A chunk whose bytes changed gives exit 6 (IMAGE_CHECKSUM) in a dry
+    run, as the real restore's read-back would, and changes nothing."""
+    frames = dry_frames()
+    assert frames[0] is not None
+    a = packed_archive(tmp_path, node, 4096, DRY_CHUNKS, frames, DRY_DAMAGE[case](frames[0]))
+    before = a.read_bytes()
+    podman, r = dry_run(tmp_path, node, a)
+    refused(r, Exit.NOT_HERE, "blake3 or size differs from the manifest's", podman)
+    assert a.read_bytes() == before
+
+
+def test_archive_bounded__a_zstd_bomb_chunk_is_refused_in_a_dry_run(node: SimNode,
+                                                                   tmp_path: Path) -> None:
+    """A compressed chunk whose 2 MiB frame makes 64 GiB: the dry run
+    decompresses it as a stream, stops past the largest chunk a manifest may
+    name (1 GiB), and refuses it (exit 6, IMAGE_CHECKSUM), in bounded time
+    and memory, as the driver helper would."""
+    from cudahook.core.backends import driver_helper as helper
+
+    chunk = 16 << 20
+    bomb = rle_bomb((64 << 30) // (128 << 10))
+    data = bytes(range(256)) * (chunk // 256)
+    with pytest.raises(helper.Mismatch, match="does not hold"):
+        helper.check_stored("c", memoryview(bomb), chunk, len(bomb), "sha256", "0" * 64)
+    a = packed_archive(tmp_path, node, chunk, [data], [bomb])
+    before = a.read_bytes()
+    t = time.monotonic()
+    podman, r = dry_run(tmp_path, node, a)
+    refused(r, Exit.NOT_HERE, "gpu0-000000.chunk': blake3 or size differs", podman)
+    assert time.monotonic() - t < 20
+    assert a.read_bytes() == before
+    assert migrate.scan(a).chunks[f"{GPU}/7/gpu0-000000.chunk"].unpacked is None
+
+
+def frame_variants() -> dict[str, bytes]:
+    """Stored bytes for a compressed chunk of 64 x "a", good and bad."""
+    import zstandard
+
+    data = b"a" * 64
+    sized = zstandard.ZstdCompressor(write_content_size=True)
+    frame = sized.compress(data)
+    checked = zstandard.ZstdCompressor(write_checksum=True).compress(data)
+    skippable = (0x184D2A53).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"xyz"
+    return {
+        "good": frame,
+        "unsized": zstandard.ZstdCompressor(write_content_size=False).compress(data),
+        "in-two-frames": sized.compress(data[:30]) + sized.compress(data[30:]),
+        "then-an-empty-frame": frame + sized.compress(b""),
+        "then-a-skippable-frame": frame + skippable,
+        "after-a-skippable-frame": skippable + frame,
+        "then-garbage": frame + b"garbage",
+        "then-more": frame + sized.compress(b"b"),
+        "cut-short": frame[:-2],
+        "checksum-flipped": checked[:-1] + bytes([checked[-1] ^ 1]),
+        "fewer-bytes": sized.compress(data[:-1]),
+        "more-bytes": sized.compress(data + b"a"),
+        "a-bomb": rle_bomb(16),
+        "not-a-frame": data,
+        "empty": b"",
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(frame_variants()))
+def test_exit_codes_one_table__a_dry_run_judges_a_frame_as_the_driver_helper_does(
+        tmp_path: Path, variant: str) -> None:
+    """Whatever a compressed chunk's stored bytes are, the dry run's verdict
+    (from the digests its one pass took) is the driver helper's own
+    (`check_stored`, what post-restore and the real restore's read-back run)."""
+    import blake3
+
+    from cudahook.core.backends import driver_helper as helper
+
+    stored = frame_variants()[variant]
+    digest = blake3.blake3(b"a" * 64).hexdigest()
+    meta = hashlib.sha256(b"{}").hexdigest()
+    m = Manifest((), gpu_storage=GpuStorage("cudahook-gpu", (StoredProcess(
+        7, 64, meta, 2, (StorageRange(64, (digest,), (len(stored),)),)),), digest="blake3"))
+    try:
+        helper.check_stored("c", memoryview(stored), 64, len(stored), "blake3", digest)
+        helper_ok = True
+    except helper.Refused:
+        helper_ok = False
+    dry = migrate.scan(write(tmp_path, BASE + member(f"{GPU}/7/manifest.json", b"{}")
+                             + member(A0, stored) + END))
+    try:
+        dry_ok = migrate.verify_files(m, dry.hashed, chunks=dry.chunks) == 0
+    except NotRestorableHere as exc:
+        assert exc.reason == "IMAGE_CHECKSUM" and exc.exit_code == Exit.NOT_HERE
+        dry_ok = False
+    assert dry_ok == helper_ok, (variant, helper_ok)
+    assert dry_ok == (variant in {"good", "unsized", "in-two-frames", "then-an-empty-frame",
+                                  "then-a-skippable-frame", "after-a-skippable-frame"})

@@ -26,6 +26,11 @@ The same pass hashes the raw bytes (the archive's sha256, for its sidecar
 and signature), checks the gzip stream's CRC and length at its end, keeps
 the few small members cudahook reads, and can write an uncompressed copy
 whose headers cudahook wrote itself (normalised names, no extra records).
+Without a copy to read them back from (a dry run), it also takes what the
+driver helper's rule needs of each file under `checkpoint/cudahook-gpu/`
+(GPU-memory chunks): the blake3 of its bytes and, for one that starts as a
+zstd frame, the blake3 and size of what the frame decompresses to, as a
+stream, never past the largest chunk a manifest may name, nor the deadline.
 """
 
 from __future__ import annotations
@@ -35,9 +40,9 @@ import os
 import tarfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from cudahook.core.manifest import STORAGE_DIR
 from cudahook.platform.errors import EnvironmentProblem, UsageError, one_line
@@ -186,9 +191,12 @@ class Stream:
         else:
             self.buf = first
 
-    def _read_raw(self) -> bytes:
+    def in_time(self) -> None:
         if time.monotonic() > self.deadline:
             raise ReadTimedOut(f"{self.archive}: not read within {self.timeout_s:g}s")
+
+    def _read_raw(self) -> bytes:
+        self.in_time()
         data = os.read(self.fd, CHUNK)
         self.raw += len(data)
         self.sha256.update(data)
@@ -225,8 +233,7 @@ class Stream:
                     out = gz.decompress(raw, CHUNK)
                 if out:
                     return out
-                if time.monotonic() > self.deadline:
-                    raise ReadTimedOut(f"{self.archive}: not read within {self.timeout_s:g}s")
+                self.in_time()
         except zlib.error as exc:
             # A changed byte: deflate's own checks, or the CRC/length at the end.
             raise ArchiveRefused(f"{self.archive}: not a complete checkpoint archive "
@@ -287,6 +294,9 @@ class Scan:
         #: bytes read back for a digest other than sha256 (a link: its target's).
         self.at: dict[str, tuple[int, int]] = {}
         self.links: dict[str, str] = {}  # hard link: its target
+        #: A dry run's digests of the files under LINKED_TREE (a link: its
+        #: target's); empty with a copy, or where blake3 or zstandard is missing.
+        self.chunks: dict[str, ChunkDigests] = {}
         self.names: set[str] = set()
         self.sha256 = ""
         self.raw_bytes = 0
@@ -415,11 +425,13 @@ def free_bytes(directory: Path) -> int:
 
 def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] = frozenset(),
          copy: BinaryIO | None = None, room: int | None = None,
-         max_bytes: int = DEFAULT_MAX_BYTES, timeout_s: float = 3600.0) -> Scan:
+         max_bytes: int = DEFAULT_MAX_BYTES, timeout_s: float = 3600.0,
+         chunk_digests: bool = False) -> Scan:
     """One pass over `archive` (see the module's docstring). `small`: the
     members kept in memory; with `copy`, every member but `skip_in_copy` is
     written there (no end-of-archive: the caller adds what it leaves out,
-    then `end_copy`), within `room` bytes."""
+    then `end_copy`), within `room` bytes. `chunk_digests`: the GPU-memory
+    chunks' digests too (`Scan.chunks`), for a pass that writes no copy."""
     from cudahook.platform import safeio
 
     what = one_line(str(archive))  # in messages: the path as given, escaped
@@ -432,6 +444,7 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
         raise ArchiveRefused(f"{what}: unreadable ({exc.strerror})") from exc
     out = Scan()
     written = 0
+    tools: _ChunkTools | None = None
     try:
         stream = Stream(fd, what, max_bytes, deadline, timeout_s)
         files: set[str] = set()
@@ -475,6 +488,8 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
                     out.hashed[m.name] = out.hashed[m.linkname]
                 if m.linkname in out.at:
                     out.at[m.name] = out.at[m.linkname]
+                if m.linkname in out.chunks:
+                    out.chunks[m.name] = out.chunks[m.linkname]
                 out.members += 1
                 continue
             keep = m.name in small
@@ -484,15 +499,28 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
             hashed = (not keep and m.name.startswith("checkpoint/") and not m.isdir()
                       and not m.name.endswith(".img") and m.size <= HASHED_LIMIT)
             h = hashlib.sha256() if hashed or keep else None
-            kept = []
-            for piece in stream.pieces(m.size):
-                if to_copy:
-                    assert copy is not None
-                    copy.write(piece)
-                if h is not None:
-                    h.update(piece)
-                if keep:
-                    kept.append(piece)
+            # Every regular file of the GPU tree, not only `*.chunk`: a chunk
+            # may be a link to any of them (the dedupe index's, say).
+            if chunk_digests and hashed and m.name.startswith(LINKED_TREE):
+                tools, chunk_digests = _ChunkTools.load(), False  # imported once
+            raw_b3 = tools.blake3() if tools is not None and hashed \
+                and m.name.startswith(LINKED_TREE) else None
+            kept: list[bytes] = []
+            sinks: list[Callable[[bytes], object]] = []
+            if to_copy:
+                assert copy is not None
+                sinks.append(copy.write)
+            sinks += [x.update for x in (h, raw_b3) if x is not None]
+            if keep:
+                sinks.append(kept.append)
+            data = _Pieces(stream.pieces(m.size), sinks)
+            unpacked = None
+            if raw_b3 is not None and _zstd_start(data.peek(4)):
+                assert tools is not None
+                unpacked = tools.unpacked(data, stream)
+            data.drain()
+            if raw_b3 is not None:
+                out.chunks[m.name] = ChunkDigests(raw_b3.hexdigest(), unpacked)
             pad = -m.size % BLOCK
             stream.read(pad)
             if to_copy:
@@ -514,6 +542,103 @@ def scan(archive: Path, *, small: frozenset[str], skip_in_copy: frozenset[str] =
         raise ArchiveRefused(f"{what}: unreadable ({exc.strerror})") from exc
     finally:
         os.close(fd)
+
+
+class ChunkDigests(NamedTuple):
+    """What the driver helper's rule needs of a chunk, taken as it streamed
+    by: the blake3 of its bytes, and for one that starts as a zstd frame the
+    blake3 and size of what it decompresses to (None: not zstd, a damaged
+    frame, or more than any chunk holds)."""
+
+    raw: str
+    unpacked: tuple[str, int] | None
+
+
+#: The first bytes of a zstd frame, and of its skippable frames (the low
+#: four bits any value), which a decoder reads past as the helper's does.
+ZSTD_MAGIC = 0xFD2FB528
+ZSTD_SKIPPABLE = 0x184D2A50
+
+
+def _zstd_start(head: bytes) -> bool:
+    if len(head) < 4:
+        return False
+    magic = int.from_bytes(head[:4], "little")
+    return magic == ZSTD_MAGIC or magic & ~0xF == ZSTD_SKIPPABLE
+
+
+class _Pieces:
+    """A member's data as a file a decompressor pulls from: each piece goes
+    to every one of `sinks` (the copy, the hashes) once, whoever consumes
+    it, and `drain` takes what the decompressor left."""
+
+    def __init__(self, pieces: Iterator[bytes], sinks: list[Callable[[bytes], object]]) -> None:
+        self.pieces, self.sinks = pieces, sinks
+        self.ahead: list[bytes] = []  # taken already, not yet handed out
+
+    def _next(self) -> bytes:
+        piece = next(self.pieces, b"")
+        for sink in self.sinks if piece else ():
+            sink(piece)
+        return piece
+
+    def peek(self, n: int) -> bytes:
+        """The first `n` bytes (fewer at the end), still to be read."""
+        while sum(map(len, self.ahead)) < n and (piece := self._next()):
+            self.ahead.append(piece)
+        return b"".join(self.ahead)[:n]
+
+    def read(self, _size: int = -1) -> bytes:
+        return self.ahead.pop(0) if self.ahead else self._next()
+
+    def drain(self) -> None:
+        self.ahead.clear()
+        while self._next():
+            pass
+
+
+class _ChunkTools:
+    """blake3 and zstandard, imported only when a dry run meets GPU memory
+    (never on a hook's path), and the helper's largest chunk."""
+
+    def __init__(self, blake3: Any, zstd: Any, cap: int) -> None:
+        self.b3, self.zstd, self.cap = blake3, zstd, cap
+
+    @classmethod
+    def load(cls) -> _ChunkTools | None:
+        """None where either is missing: the chunks stay unverified here."""
+        try:
+            import blake3
+            import zstandard
+        except ImportError:
+            return None
+        from cudahook.core.backends.driver_helper import CHUNK_MAX
+
+        return cls(blake3, zstandard, CHUNK_MAX)
+
+    def blake3(self) -> Any:
+        return self.b3.blake3()
+
+    def unpacked(self, data: _Pieces, stream: Stream) -> tuple[str, int] | None:
+        """The blake3 and size of what `data` decompresses to, read as the
+        driver helper's `_decompress` reads a frame (frame by frame, until
+        the decoder gives nothing more), or None: a damaged frame, or past
+        `cap` - the largest chunk a manifest may name, which the helper
+        would refuse as well - where a bomb stops, a piece at a time."""
+        h, n = self.b3.blake3(), 0
+        buf = memoryview(bytearray(CHUNK))
+        try:
+            reader = self.zstd.ZstdDecompressor().stream_reader(
+                data, read_size=CHUNK, read_across_frames=False)
+            while got := reader.readinto(buf):
+                n += got
+                if n > self.cap:
+                    return None
+                stream.in_time()
+                h.update(buf[:got])
+        except self.zstd.ZstdError:
+            return None
+        return h.hexdigest(), n
 
 
 def _check_link(m: Member, regular: set[str], archive: str) -> None:

@@ -134,9 +134,11 @@ def scan(archive: Path, copy_to: Path | None = None, *,
     CRC checked at its end), refusing what a checkpoint never holds - a copy
     damaged or cut short fails here, before anything is restored. With
     `copy_to`, the same pass copies every member but the spec files into
-    that new uncompressed tar; `finish_copy` adds those."""
+    that new uncompressed tar; `finish_copy` adds those. Without one (a dry
+    run) it takes the GPU-memory chunks' digests instead, for `verify_files`."""
     if copy_to is None:
-        return ar.scan(archive, small=SMALL, max_bytes=max_bytes, timeout_s=timeout_s)
+        return ar.scan(archive, small=SMALL, max_bytes=max_bytes, timeout_s=timeout_s,
+                       chunk_digests=True)
     fd = os.open(copy_to, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
     try:
@@ -423,8 +425,8 @@ def _manifest(small: dict[str, bytes]) -> Manifest | None:
 
 
 def verify_files(m: Manifest, hashed: dict[str, tuple[str, int]],
-                 at: dict[str, tuple[int, int]] | None = None, copy: Path | None = None
-                 ) -> int:
+                 at: dict[str, tuple[int, int]] | None = None, copy: Path | None = None,
+                 chunks: dict[str, ar.ChunkDigests] | None = None) -> int:
     """cudahook's own files the manifest names, as the archive holds them,
     and every chunk of GPU memory in storage with its per-process manifest
     (a hard link as the file it names): exit 6 when one is missing or
@@ -432,8 +434,11 @@ def verify_files(m: Manifest, hashed: dict[str, tuple[str, int]],
     --image` says - before podman creates anything, rather than at
     post-restore. The scan's sha256 proves a raw sha256 chunk; a blake3 or
     compressed one is read back from `copy` (where `at` says) and checked
-    as the driver helper checks it. How many chunks had no copy to be read
-    from (a dry run: post-restore checks them)."""
+    as the driver helper checks it, or, without a copy (a dry run), checked
+    by the same rule against the digests the scan took (`chunks`). How many
+    chunks neither could prove (a dry run's compressed chunks of sha256
+    digests, or all where blake3 or zstandard is missing: post-restore
+    checks them)."""
     from cudahook.core import manifest
 
     def differs(name: str, what: str) -> NotRestorableHere:
@@ -453,12 +458,42 @@ def verify_files(m: Manifest, hashed: dict[str, tuple[str, int]],
                 raise differs(f.name, "sha256")
         elif got[1] != (f.zstd or f.size):
             raise differs(f.name, f.kind)
-        else:
-            unread.append(f)
+        elif copy is not None or not _check_digests(
+                f, (chunks or {}).get(f"checkpoint/{f.name}"), differs):
+            unread.append(f)  # with a copy: read back from it below
     if copy is None or at is None:
         return len(unread)
     _check_in_copy(copy, at, unread, differs)
     return 0
+
+
+def _check_digests(f: StoredFile, got: ar.ChunkDigests | None,
+                   differs: Callable[[str, str], NotRestorableHere]) -> bool:
+    """A chunk of blake3 digest, of the size its manifest says as stored,
+    checked by the driver helper's rule (`read_chunk`) against the digests
+    the scan took: the blake3 of its raw bytes, or of what its zstd frame
+    decompresses to, which must be exactly its raw size - a frame that is
+    damaged, makes more or less, or is no frame fails, as it would there.
+    False where the scan took none to check it by (sha256 of decompressed
+    bytes is not taken: post-restore checks it)."""
+    if got is None or f.kind != "blake3":
+        return False
+    if (got.unpacked == (f.digest, f.size)) if f.zstd else (got.raw == f.digest):
+        return True
+    raise differs(f.name, f.kind)
+
+
+def chunks_verified(m: Manifest) -> str | None:
+    """What `verify_files` proved of the GPU-memory chunks, for the report
+    (None: the image keeps none)."""
+    from cudahook.core import manifest
+
+    if m.gpu_storage is None:
+        return None
+    chunks = [f for f in manifest.storage_files(m) if f.name.endswith(".chunk")]
+    packed = sum(1 for f in chunks if f.zstd)
+    return (f"GPU-memory chunks ({len(chunks)}, {m.gpu_storage.digest}"
+            + (f"; {packed} zstd-decompressed" if packed else "") + ")")
 
 
 def _check_in_copy(copy: Path, at: dict[str, tuple[int, int]], files: list[StoredFile],
@@ -689,7 +724,10 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
             mapping = None
             unread = 0
             if m is not None:
-                unread = verify_files(m, found.hashed, found.at, copy)
+                unread = verify_files(m, found.hashed, found.at, copy, found.chunks)
+                proved = chunks_verified(m) if not unread else None
+                if proved:
+                    verified.append(proved)
                 targets, mapping = plan(ctx, m, gpus)
                 verified.append("restore gate")
             elif gpus:
@@ -711,9 +749,10 @@ def restore(ctx: Any, podman: Sequence[str], archive: Path, *, name: str | None 
                 "origin (" + ("signature present, no trusted key: --verify-key" if has_sig
                               else "unsigned") + ")"]
             if unread:
-                not_verified.append(f"the digests of {unread} GPU-memory chunk(s) (blake3 or "
-                                    "compressed: read back from the copy, which a dry run does "
-                                    "not write; post-restore checks them)")
+                not_verified.append(f"the digests of {unread} GPU-memory chunk(s) (compressed, "
+                                    "of sha256 digests, or blake3 or zstandard missing here: "
+                                    "a dry run writes no copy to read them back from; "
+                                    "post-restore checks them)")
             result = {"archive": str(archive), "sha256": found.sha256, "container": final,
                       "gpus": targets, "source_gpus": list(m.gpus) if m else None,
                       "device_map": mapping, "verified": verified,
