@@ -194,23 +194,30 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
             hooks = tmp / "hooks"
             hookfiles.install(hooks, config=str(config))
             box = RuncBox(tmp / "runc", lab, hooks_dir=hooks)
-            boxes = {}
-            for v in VARIANTS:
-                tags = [f"{v}{i}" for i in range(args.gpus)]
+
+            def start(v: str, name: str) -> tuple[str, Path, list[str]]:
+                tags = [f"{name}{i}" for i in range(args.gpus)]
                 bundle = box.bundle(
-                    v, [(t, {"mib": args.mib, "gpu": i, "interval_ms": 500,
-                             "check_every": 100000, "check_after_restore": True})
-                        for i, t in enumerate(tags)],
+                    name, [(t, {"mib": args.mib, "gpu": i, "interval_ms": 500,
+                                "check_every": 100000, "check_after_restore": True})
+                           for i, t in enumerate(tags)],
                     visible=lab.uuids,
                     annotations={"cudahook.io/gpu-memory": v})
-                cid = f"p8-{v}-{os.getpid()}"
+                cid = f"p8-{name}-{os.getpid()}"
                 r = box.run(cid, bundle)
                 if r.returncode:
                     raise RuntimeError(f"runc run {v}: {r.stderr.strip()}")
                 for t in tags:
                     lab.wait_counter(t, 2, timeout=120)
-                boxes[v] = (cid, bundle, tags)
-            log(f"P8: {args.gpus} processes, {args.mib} MiB each, one per GPU, per container")
+                return cid, bundle, tags
+
+            # Both containers live through the run, unless their device
+            # memory and the host path's copies would not fit in this
+            # machine's memory together (--one-at-a-time: each variant's
+            # container is started for its cycle and removed after, untimed).
+            boxes = {} if args.one_at_a_time else {v: start(v, v) for v in VARIANTS}
+            log(f"P8: {args.gpus} processes, {args.mib} MiB each, one per GPU, per container"
+                + (", one container at a time" if args.one_at_a_time else ""))
             total = args.gpus * args.mib << 20
             for r in range(reps):
                 disk = disk_write_s(tmp, total)
@@ -219,6 +226,8 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                     max(args.mib / args.bandwidth, disk))
                 order = VARIANTS[r % 2:] + VARIANTS[:r % 2]
                 for v in order:
+                    if args.one_at_a_time:
+                        boxes[v] = start(v, f"{v}{r}-")
                     cid, bundle, tags = boxes[v]
                     dt, peak, cg_peak, image_mib = cycle(box, cid, bundle, tmp / f"img-{v}-{r}",
                                                          lab.libcuda)
@@ -228,7 +237,9 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
                     samples.setdefault(f"peak-MiB-{v}", []).append(peak / 2**20)
                     samples.setdefault(f"cgroup-peak-MiB-{v}", []).append(cg_peak / 2**20)
                     samples.setdefault(f"criu-image-MiB-{v}", []).append(image_mib)
-                    verify_restored(lab, tags, r + 1)
+                    verify_restored(lab, tags, 1 if args.one_at_a_time else r + 1)
+                    if args.one_at_a_time:
+                        box.delete(cid)
                 log(f"P8 rep {r + 1}/{reps}: " + ", ".join(
                     f"{k} {v[-1]:.2f}" for k, v in samples.items()))
         finally:
@@ -255,6 +266,7 @@ def run(args) -> Result:  # type: ignore[no-untyped-def]
     res.ratio("CRIU image storage/host", "criu-image-MiB-storage", "criu-image-MiB-host", None,
               headline=False)
     res.extra["settings"] = {"gpus": args.gpus, "mib": args.mib,
+                             "one_at_a_time": args.one_at_a_time,
                              "bandwidth_mib_s": args.bandwidth,
                              "attach_latency_s": args.attach_latency, "cuda_version": 13040}
     return res
@@ -328,6 +340,9 @@ def disk_write_s(where: Path, size: int) -> float:
 def parser():  # type: ignore[no-untyped-def]
     p = arg_parser(__doc__.split("\n")[0], reps=3, quick_reps=1)
     p.add_argument("--gpus", type=int, default=8, help="GPUs, one process each (default 8)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="start each variant's container for its cycle only (for --mib 1024 "
+                        "where both would not fit in memory together)")
     sim_node_options(p, mib=MIB, bandwidth=1024.0)
     return p
 

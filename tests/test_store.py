@@ -324,6 +324,36 @@ def test_prune_runs_keeps_live_criu_runs_and_young_ones(tmp_path: Path) -> None:
     assert s.prune_runs(grace_s=3600) == 2 and os.listdir(tmp_path / "runs") == []
 
 
+def test_a_pruned_runs_kept_chunk_links_go_with_it(tmp_path: Path) -> None:
+    """The hard links pre-dump keeps beside a storage image for its guardian
+    are removed by the guardian; if it and every successor were killed, the
+    run's record names them until it is pruned, and they go with it. A
+    record naming anything else removes nothing."""
+    from cudahook.flow import actions, guardian
+
+    s = Store(tmp_path / "state")
+    images = tmp_path / "images"
+    kept = images / f".img{guardian.KEPT_INFIX}abc"
+    (kept / "7").mkdir(parents=True)
+    chunk = images / "img" / "cudahook-gpu" / "7" / "gpu0-000000.chunk"
+    chunk.parent.mkdir(parents=True)
+    chunk.write_bytes(b"x" * 4096)
+    os.link(chunk, kept / "7" / chunk.name)
+    other = images / "not-kept"
+    other.mkdir()
+    gone, live = s.run_path("999999999-5"), s.run_path("999999998-5")
+    write_json_atomic(gone, {guardian.KEPT: str(kept)})
+    write_json_atomic(live, {guardian.KEPT: str(other)})
+    stale = time.time() - 7200
+    os.utime(gone, (stale, stale))
+    assert s.prune_runs(grace_s=3600, gone=actions._gone_run) == 1
+    assert not kept.exists() and chunk.stat().st_nlink == 1  # the image's own file stays
+    assert live.exists()
+    os.utime(live, (stale, stale))
+    assert s.prune_runs(grace_s=3600, gone=actions._gone_run) == 1
+    assert other.is_dir()  # no kept-links name: never removed
+
+
 def test_prune_forgets_gone_containers_after_the_retention(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(paths.ROOT_ENV, str(tmp_path / "node"))  # its GPU marks go too

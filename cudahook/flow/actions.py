@@ -104,5 +104,15 @@ def housekeeping(ctx: Context) -> None:
     """Keep the state directory (RAM) bounded: finished CRIU runs, and
     containers gone without a poststop. Never fails the action."""
     with contextlib.suppress(OSError, CudahookError):
-        ctx.store.prune_runs()
+        ctx.store.prune_runs(gone=_gone_run)
         ctx.store.prune(ctx.settings.state_retention_s)
+
+
+def _gone_run(record: Path) -> None:
+    """A gone CRIU run's record, about to be pruned: the chunk links kept
+    beside its image go too (flow/checkpoint.py _keep), if no guardian
+    lived to remove them."""
+    from . import guardian
+
+    guardian.drop_kept(record)
+

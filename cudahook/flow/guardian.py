@@ -331,21 +331,26 @@ def main(arg: str) -> int:
     try:
         return _guard(args, cid)
     finally:
-        _drop_kept(args)  # first: a successor finds the work done, not the links
+        if args.get("run"):  # first: a successor finds the work done, not the links
+            from pathlib import Path
+
+            drop_kept(Path(args["run"]))
         _finished(args, FINISHED)
         if key:
             _unmark(args, key)
 
 
-def _drop_kept(args: dict[str, Any]) -> None:
-    """Remove the chunks' hard links pre-dump kept for us: the image holds
-    the same files, and the run is over."""
+def drop_kept(run: Path) -> None:
+    """Remove the chunks' hard links pre-dump kept for the guardian of the
+    run recorded at `run`: the image holds the same files, and the run is
+    over - its guardian finished, or (the run's record pruned, long after
+    its CRIU exited) it and every successor were killed."""
     import shutil
     from pathlib import Path
 
     from cudahook.platform.store import read_json
 
-    data = read_json(Path(args["run"])) if args.get("run") else None
+    data = read_json(run)
     kept = data.get(KEPT) if isinstance(data, dict) else None
     if isinstance(kept, str) and KEPT_INFIX in Path(kept).name:
         shutil.rmtree(kept, ignore_errors=True)

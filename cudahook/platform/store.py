@@ -25,7 +25,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from . import busy, marks
@@ -245,10 +245,13 @@ class Store:
     def run_path(self, run_key: str) -> Path:
         return self._dir("runs") / f"{run_key}.json"
 
-    def prune_runs(self, grace_s: float | None = None) -> int:
+    def prune_runs(self, grace_s: float | None = None,
+                   gone: Callable[[Path], None] | None = None) -> int:
         """Remove the progress (and `.vmm` copies) of CRIU runs whose CRIU
         process is gone, once `grace_s` has passed since the last write. A
-        run is named `<criu pid>-<start time>`: a reused PID is another run."""
+        run is named `<criu pid>-<start time>`: a reused PID is another run.
+        `gone` is shown each run record before it is removed (what the run
+        left outside this directory goes with it)."""
         grace = RUN_GRACE_S if grace_s is None else grace_s
         d = self.root / "runs"
         if not d.is_dir():
@@ -265,6 +268,9 @@ class Store:
                     continue
             except OSError:
                 continue
+            if gone is not None and p.suffix == ".json":
+                with contextlib.suppress(Exception):  # pruning goes on whatever it finds
+                    gone(p)
             _remove(p)
             removed += 1
         return removed
