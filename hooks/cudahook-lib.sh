@@ -106,11 +106,16 @@ may_hold_gpu() {
     case $_cg in ""|*/) return 0 ;; esac  # the root cgroup: not a container
     for _d in "$_cg"/*/; do [ -d "$_d" ] && return 0; done  # nested cgroups
     [ -r "$_cg/cgroup.procs" ] || return 0
-    _seen=
+    _seen= _init=$1
     while read -r _pid; do
-        [ "$_pid" = "$1" ] && _seen=1
+        [ "$_pid" = "$_init" ] && _seen=1
+        # The device nodes as this process sees them, listed once (not once
+        # per fd): with none - a pattern that matched nothing names no
+        # file - none of its fds can be one.
+        set -- "$CUDAHOOK_PROC/$_pid"/root/dev/nvidia*
+        [ -e "$1" ] || [ -h "$1" ] || continue
         for _fd in "$CUDAHOOK_PROC/$_pid"/fd/*; do
-            for _dev in "$CUDAHOOK_PROC/$_pid"/root/dev/nvidia*; do
+            for _dev; do
                 [ "$_fd" -ef "$_dev" ] && return 0
             done
         done
