@@ -580,10 +580,13 @@ def test_restore_side_gpu_memory_in_storage(node: Node, tmp_path: Path) -> None:
     expect(cfg, ["--image", str(d)], "IMAGE_FILE_MISSING", rc=6)
 
 
-def packed_image(d: Path, node: Node, chunks: list[bytes], frames: list[bytes | None]) -> Path:
-    """An image of version 3: blake3 digests, chunks stored as the given zstd
+def packed_image(d: Path, node: Node, chunks: list[bytes], frames: list[bytes | None], *,
+                 chunk: int = 4096, damage: dict[int, bytes] | None = None) -> Path:
+    """An image of version 3 naming `node`'s driver and first GPU: process
+    7's chunks of `chunk` bytes with blake3 digests, stored as the given zstd
     frames (None: raw), identical chunks hard links to one file, as the
-    storage path writes them. The process's directory."""
+    storage path writes them. `damage`: bytes written in place of chunk k's
+    file, the manifests unchanged. The process's directory."""
     import hashlib
     import os
 
@@ -592,20 +595,20 @@ def packed_image(d: Path, node: Node, chunks: list[bytes], frames: list[bytes | 
     proc = d / manifest.STORAGE_DIR / "7"
     proc.mkdir(parents=True)
     seen: dict[bytes, str] = {}
-    for k, (chunk, frame) in enumerate(zip(chunks, frames, strict=True)):
+    for k, (data, frame) in enumerate(zip(chunks, frames, strict=True)):
         name = f"gpu0-{k:06d}.chunk"
-        if chunk in seen:
-            os.link(proc / seen[chunk], proc / name)
+        if data in seen:
+            os.link(proc / seen[data], proc / name)
         else:
-            (proc / name).write_bytes(chunk if frame is None else frame)
-            seen[chunk] = name
+            (proc / name).write_bytes((damage or {}).get(k, data if frame is None else frame))
+            seen[data] = name
     size = sum(map(len, chunks))
     rng = {"size": size, "chunks": [blake3.blake3(c).hexdigest() for c in chunks],
            "zstd": [0 if f is None else len(f) for f in frames]}
-    raw = json.dumps({"format": 2, "digest": "blake3", "chunk": 4096, "ranges": [rng]}).encode()
+    raw = json.dumps({"format": 2, "digest": "blake3", "chunk": chunk, "ranges": [rng]}).encode()
     (proc / manifest.STORAGE_MANIFEST).write_bytes(raw)
     stored = manifest.GpuStorage(dir=manifest.STORAGE_DIR, digest="blake3", processes=(
-        manifest.StoredProcess(nspid=7, chunk=4096, manifest_sha256=hashlib.sha256(raw).hexdigest(),
+        manifest.StoredProcess(nspid=7, chunk=chunk, manifest_sha256=hashlib.sha256(raw).hexdigest(),
                                manifest_size=len(raw), ranges=(manifest.StorageRange(
                                    size=size, chunks=tuple(rng["chunks"]),
                                    zstd=tuple(rng["zstd"])),)),))

@@ -35,6 +35,7 @@ from cudahook.core.manifest import (
 from cudahook.platform.errors import Exit, NotRestorableHere, UsageError
 
 from .conftest import Node as SimNode
+from .test_check import packed_image
 
 
 def archive(tmp_path: Path, members: dict[str, bytes], *, gz: bool = True) -> Path:
@@ -1037,39 +1038,12 @@ def rle_bomb(blocks: int) -> bytes:
 
 def packed_archive(tmp: Path, sim: SimNode, chunk: int, chunks: list[bytes],
                    frames: list[bytes | None], damage: dict[int, bytes] | None = None) -> Path:
-    """A podman export of an image of version 3, as the storage path writes
-    it: process 7's chunks with blake3 digests, stored as `frames` (None:
-    raw), identical ones hard links to one file, its chunk manifest, the
-    image manifest naming `sim`'s driver and first GPU. `damage`: bytes
-    written in place of chunk k's file, the manifest unchanged."""
-    import blake3
-
-    from cudahook.core import manifest
-
+    """A podman export of check's packed image (tests/test_check.py
+    `packed_image`: version 3, process 7's chunks with blake3 digests, stored
+    as `frames`, identical ones hard links to one file, `damage` in place of
+    chunk k's file, the manifests unchanged)."""
     image = tmp / "image"
-    proc = image / manifest.STORAGE_DIR / "7"
-    proc.mkdir(parents=True)
-    seen: dict[bytes, str] = {}
-    for k, (data, frame) in enumerate(zip(chunks, frames, strict=True)):
-        name = f"gpu0-{k:06d}.chunk"
-        if data in seen:
-            os.link(proc / seen[data], proc / name)
-        else:
-            stored = data if frame is None else frame
-            (proc / name).write_bytes((damage or {}).get(k, stored))
-            seen[data] = name
-    size = sum(map(len, chunks))
-    digests = tuple(blake3.blake3(c).hexdigest() for c in chunks)
-    zstd = tuple(0 if f is None else len(f) for f in frames)
-    raw = json.dumps({"format": 2, "digest": "blake3", "chunk": chunk, "ranges": [
-        {"size": size, "chunks": list(digests), "zstd": list(zstd)}]}).encode()
-    (proc / "manifest.json").write_bytes(raw)
-    storage = GpuStorage(manifest.STORAGE_DIR, (StoredProcess(
-        7, chunk, hashlib.sha256(raw).hexdigest(), len(raw),
-        (StorageRange(size, digests, zstd),)),), digest="blake3")
-    manifest.write(image, {
-        "container_id": "c", "processes": [{"nspid": 7, "pid": 7}], "gpu_storage": storage,
-        "driver_version": sim.lab.config["driver_version"], "gpus": sim.lab.uuids[:1]})
+    packed_image(image, sim, chunks, frames, chunk=chunk, damage=damage)
     path = tmp / "job.tar.gz"
     with tarfile.open(path, "w:gz") as tar:
         for name in ("spec.dump", "config.dump"):
