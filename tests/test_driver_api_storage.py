@@ -8,6 +8,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -593,12 +594,13 @@ def test_a_helper_killed_mid_copy_ends_the_operation_with_the_workload_intact(
     assert st["intact"] and not st["errors"], st
 
 
-def test_a_chunk_published_between_a_look_and_a_claim_is_linked_not_written_again(
-        tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Two processes' threads reach the same chunk: one looks in the index
-    and finds nothing, the other writes, publishes and lets go of its claim,
-    then the first claims it. It must link the published file, not store a
-    second copy (under load, this interleaving stored a replica twice)."""
+def test_a_chunk_published_just_before_a_claim_is_linked_not_written_again(
+        tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two processes' threads reach the same chunk: the other one writes,
+    publishes and lets go of its claim just before the first takes its
+    claim. The first must link the published file, not store a second copy
+    (under load, a look in the index made before claiming missed it, and a
+    replica was stored twice)."""
     import os
 
     from cudahook.core.backends import driver_helper as dh
@@ -613,17 +615,24 @@ def test_a_chunk_published_between_a_look_and_a_claim_is_linked_not_written_agai
         out.open_index(str(tmp_path / pid))
         outs.append(out)
     first, second = outs
-    real_link = first._link
-    looked: list[int] = []
 
-    def look_then_the_other_writes(name: str, d: str) -> int | None:
-        size = real_link(name, d)
-        if not looked:  # the first look misses, and the other thread runs whole
-            looked.append(1)
-            assert second.put("gpu0-000000.chunk", data, digest) == 0
-        return size
+    class TheOtherRunsWhole:
+        """The claims' lock: the first time it is taken, the other thread
+        runs its whole put (taking it again) before the lock is held."""
 
-    first._link = look_then_the_other_writes  # type: ignore[method-assign]
+        def __init__(self, lock: Any) -> None:
+            self.lock, self.ran = lock, False
+
+        def __enter__(self) -> Any:
+            if not self.ran:
+                self.ran = True
+                assert second.put("gpu0-000000.chunk", data, digest) == 0
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self.lock.__exit__(*exc)
+
+    monkeypatch.setattr(dh, "_claims_lock", TheOtherRunsWhole(dh._claims_lock))
     try:
         assert first.put("gpu0-000000.chunk", data, digest) == 0
     finally:

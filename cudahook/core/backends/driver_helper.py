@@ -549,13 +549,12 @@ class _Out:
         if self.index is None:
             return self._write(name, data, digest)
         key = (*self.index_id, digest)
+        # Replicas are checkpointed in parallel and reach the same chunk
+        # together: the look in the index is made holding the chunk's claim,
+        # so one thread writes it and the others, waiting, then link it (a
+        # look made before claiming could miss a chunk published and let go
+        # of just after, and store it twice).
         while True:
-            size = self._link(name, digest)
-            if size is not None:
-                self.linked += 1
-                return size
-            # Replicas are checkpointed in parallel and reach the same chunk
-            # together: one thread writes it, the others wait and link it.
             with _claims_lock:
                 other = _claims.get(key)
                 if other is None:
@@ -563,8 +562,6 @@ class _Out:
                     break
             other.wait()  # then link it, or (its writer failed) write it
         try:
-            # Its writer may have published it and let go of its claim
-            # between our look and our claim: look again before writing.
             size = self._link(name, digest)
             if size is not None:
                 self.linked += 1
