@@ -329,7 +329,7 @@ def test_a_pruned_runs_kept_chunk_links_go_with_it(tmp_path: Path) -> None:
     are removed by the guardian; if it and every successor were killed, the
     run's record names them until it is pruned, and they go with it. A
     record naming anything else removes nothing."""
-    from cudahook.flow import actions, guardian
+    from cudahook.flow import guardian
 
     s = Store(tmp_path / "state")
     images = tmp_path / "images"
@@ -346,11 +346,11 @@ def test_a_pruned_runs_kept_chunk_links_go_with_it(tmp_path: Path) -> None:
     write_json_atomic(live, {guardian.KEPT: str(other)})
     stale = time.time() - 7200
     os.utime(gone, (stale, stale))
-    assert s.prune_runs(grace_s=3600, gone=actions._gone_run) == 1
+    assert s.prune_runs(grace_s=3600, gone=guardian.drop_kept) == 1
     assert not kept.exists() and chunk.stat().st_nlink == 1  # the image's own file stays
     assert live.exists()
     os.utime(live, (stale, stale))
-    assert s.prune_runs(grace_s=3600, gone=actions._gone_run) == 1
+    assert s.prune_runs(grace_s=3600, gone=guardian.drop_kept) == 1
     assert other.is_dir()  # no kept-links name: never removed
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from cudahook.platform.errors import CudahookError, Exit
 from cudahook.platform.marks import mark
 
-from . import checkpoint, restore
+from . import checkpoint, guardian, restore
 from .containers import need_init
 from .context import Context
 from .criu_run import CriuRun
@@ -104,15 +104,7 @@ def housekeeping(ctx: Context) -> None:
     """Keep the state directory (RAM) bounded: finished CRIU runs, and
     containers gone without a poststop. Never fails the action."""
     with contextlib.suppress(OSError, CudahookError):
-        ctx.store.prune_runs(gone=_gone_run)
+        # A gone run's chunk links kept beside its image (checkpoint._keep)
+        # go with its record, if no guardian lived to remove them.
+        ctx.store.prune_runs(gone=guardian.drop_kept)
         ctx.store.prune(ctx.settings.state_retention_s)
-
-
-def _gone_run(record: Path) -> None:
-    """A gone CRIU run's record, about to be pruned: the chunk links kept
-    beside its image go too (flow/checkpoint.py _keep), if no guardian
-    lived to remove them."""
-    from . import guardian
-
-    guardian.drop_kept(record)
-
